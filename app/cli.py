@@ -1,0 +1,228 @@
+"""The ``docqa`` command line: model import, KV budget arithmetic, questions about a manual."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from importlib import resources
+from pathlib import Path
+
+from inference.errors import DocqaError
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    for noisy in ("urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def cmd_model_import(args) -> int:
+    from inference.model_import import default_model_dir, import_default_model, import_gguf
+
+    if args.gguf:
+        src = Path(args.gguf)
+        out = Path(args.output) if args.output else (
+            Path(default_model_dir()).parent / src.stem)
+        path = import_gguf(src, out, force=args.force)
+    else:
+        path = import_default_model(force=args.force)
+    print(path)
+    return 0
+
+
+def cmd_kv_budget(args) -> int:
+    import torch
+
+    from inference.config import dtype_name, parse_dtype
+    from inference.kv_sizing import KNOWN_CONFIGS, format_bytes, kv_bytes_per_token
+
+    if args.config:
+        p = Path(args.config)
+        if p.is_dir():
+            p = p / "config.json"
+        if not p.is_file():
+            raise DocqaError(f"no config.json at {p}")
+        try:
+            d = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise DocqaError(f"{p} is not valid JSON ({e})") from None
+        label = str(p)
+    else:
+        name = (args.name or "smollm2-135m").lower()
+        if name not in KNOWN_CONFIGS:
+            raise DocqaError(
+                f"unknown config name {name!r}; known: {', '.join(sorted(KNOWN_CONFIGS))}"
+            )
+        d = KNOWN_CONFIGS[name]
+        label = name
+    try:
+        layers = int(d["num_hidden_layers"])
+        heads = int(d.get("num_attention_heads", d.get("num_key_value_heads", 1)))
+        kv_heads = int(d.get("num_key_value_heads") or heads)
+        head_dim = int(d.get("head_dim") or int(d["hidden_size"]) // heads)
+    except KeyError as e:
+        raise DocqaError(f"{label} lacks the field {e.args[0]!r}") from None
+    kv_dtype = parse_dtype(args.kv_dtype or d.get("torch_dtype") or "bfloat16")
+    context = args.context or int(d.get("max_position_embeddings", 4096))
+    bpt = kv_bytes_per_token(layers, kv_heads, head_dim, kv_dtype)
+    elem = torch.empty((), dtype=kv_dtype).element_size()
+    print(f"config: {label}")
+    print(f"layers {layers}, KV heads {kv_heads}, head dim {head_dim}, KV dtype "
+          f"{dtype_name(kv_dtype)} ({elem} bytes)")
+    print(f"KV cache: {bpt / 1024:.2f} KiB per token "
+          f"(2 x {layers} x {kv_heads} x {head_dim} x {elem} = {bpt:,} bytes)")
+    print(f"per sequence of {context:,} tokens: {format_bytes(bpt * context)}")
+    if args.memory_gib:
+        tokens = int(args.memory_gib * 2**30 // bpt)
+        print(f"KV cache size: {tokens:,} tokens in {args.memory_gib:g} GiB")
+        print(f"Maximum concurrency for {context:,} tokens per request: {tokens / context:.2f}x")
+    return 0
+
+
+def _sample_manual() -> Path:
+    return Path(str(resources.files("app").joinpath("samples/tarx-manual.md")))
+
+
+def _print_answer(idx: int, question: str, result: dict, computed: int, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({k: result[k] for k in ("answer", "usage", "timings")}), flush=True)
+        return
+    u, t = result["usage"], result["timings"]
+    print(f"Q{idx}: {question}")
+    print(f"A{idx}: {result['answer']}")
+    print(f"   usage: prompt_tokens={u['prompt_tokens']} cached_tokens={u['cached_tokens']} "
+          f"completion_tokens={u['completion_tokens']} (computed {computed} prompt tokens)")
+    print("   timings: " + " ".join(f"{k}={v:.1f}" for k, v in t.items()))
+    print(flush=True)
+
+
+def cmd_ask(args) -> int:
+    from app.manual_text import read_manual_file
+    from inference.llm import LLM
+    from prompts import PromptBuilder, PromptLayoutTooLong
+
+    manual_path = Path(args.manual) if args.manual else _sample_manual()
+    questions = args.questions
+    text = read_manual_file(manual_path)
+    if args.max_tokens < 1 or args.max_tokens > args.max_tokens_cap:
+        raise DocqaError(f"--max-tokens must be between 1 and {args.max_tokens_cap}, "
+                         f"got {args.max_tokens}")
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib)
+    engine = llm.engine
+    builder = PromptBuilder(llm.tokenizer)
+    from inference.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    prefix = builder.prefix_ids(text)
+    for i, q in enumerate(questions, 1):
+        if not q.strip():
+            raise DocqaError(f"question {i} is empty")
+        try:
+            built = builder.build(text, q, max_model_len=engine.max_model_len,
+                                  max_tokens=args.max_tokens, manual_ids=prefix)
+        except PromptLayoutTooLong as e:
+            raise DocqaError(f"manual {manual_path} is too long: {e}") from None
+        for w in built.warnings:
+            logging.getLogger("docqa").warning(w)
+        before = engine.prompt_tokens_computed
+        out = llm.generate(prompt_token_ids=[built.token_ids], sampling_params=params,
+                           use_cache=not args.no_cache)[0]
+        computed = engine.prompt_tokens_computed - before
+        result = {
+            "answer": out.text.strip(),
+            "usage": {
+                "prompt_tokens": len(built.token_ids),
+                "cached_tokens": out.num_cached_tokens,
+                "completion_tokens": len(out.token_ids),
+                "cached_tokens_by_tier": {"device": out.num_cached_tokens, "redis": 0},
+            },
+            "timings": out.metrics.to_dict(),
+        }
+        logging.getLogger("docqa").info(
+            "question %d: %d prompt tokens, %d cached, %d computed", i,
+            len(built.token_ids), out.num_cached_tokens, computed)
+        _print_answer(i, q, result, computed, args.json)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    """Until the REST service lands: answer sample questions about the bundled manual."""
+    logging.getLogger("docqa").info("answering sample questions about %s", _sample_manual())
+    args.manual = None
+    args.questions = [
+        "How do I extract an archive without overwriting existing files?",
+        "Which option compresses the archive?",
+        "What exit status means a fatal error?",
+    ]
+    return cmd_ask(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="docqa", description="Prefix-caching document Q&A.")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    m = sub.add_parser("model", help="manage models")
+    msub = m.add_subparsers(dest="model_command", required=True)
+    mi = msub.add_parser("import", help="import the default model (or --gguf FILE)")
+    mi.add_argument("--gguf", help="import this Llama-family GGUF file instead")
+    mi.add_argument("--output", help="directory to write (default: under $DOCQA_HOME/models)")
+    mi.add_argument("--force", action="store_true", help="import again even if present")
+    mi.set_defaults(func=cmd_model_import)
+
+    kb = sub.add_parser("kv-budget", help="KV cache arithmetic for a model config")
+    kb.add_argument("name", nargs="?", help="a known config name (default smollm2-135m)")
+    kb.add_argument("--config", help="path to a config.json (or its directory)")
+    kb.add_argument("--memory-gib", type=float, help="KV memory budget in GiB")
+    kb.add_argument("--context", type=int, help="tokens per sequence (default: the model's)")
+    kb.add_argument("--kv-dtype", help="KV dtype (default: the config's torch_dtype)")
+    kb.set_defaults(func=cmd_kv_budget)
+
+    def engine_args(sp):
+        sp.add_argument("--model", default=None, help="model directory or name (default model)")
+        sp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+        sp.add_argument("--kv-cache-gib", type=float, default=None,
+                        help="KV pool size on CPU (default: a quarter of free memory, <= 4)")
+        sp.add_argument("--max-tokens", type=int, default=128, help="answer length cap")
+        sp.add_argument("--max-tokens-cap", type=int, default=1024, help=argparse.SUPPRESS)
+        sp.add_argument("--json", action="store_true", help="one JSON object per answer")
+        sp.add_argument("--no-cache", action="store_true", help="compute every prompt cold")
+
+    a = sub.add_parser("ask", help="answer questions about a manual, in order")
+    a.add_argument("--manual", required=True, help="a UTF-8 text or markdown file")
+    a.add_argument("questions", nargs="+", metavar="QUESTION")
+    engine_args(a)
+    a.set_defaults(func=cmd_ask)
+
+    s = sub.add_parser("serve", help="run docqa on the bundled sample manual")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    engine_args(s)
+    s.set_defaults(func=cmd_serve)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return args.func(args)
+    except DocqaError as e:
+        print(f"docqa: error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as e:
+        print(f"docqa: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("docqa: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

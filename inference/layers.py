@@ -1,0 +1,109 @@
+"""Batch-invariant building blocks: linear, RMSNorm, rotary embedding.
+
+Why ``linear`` works in row slabs: on this CPU (torch 2.13, oneDNN), a bf16 ``F.linear`` gives
+bit-identical rows for any batch of at most 32 rows, but a batch of more rows takes another
+kernel whose accumulation order differs, so a prompt row computed in a long chunk would differ
+from the same row computed alone. Running every product in slabs of ``LINEAR_ROW_SLAB`` rows
+keeps each row's result independent of how many rows share the call (prefill or decode).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from inference.config import ModelConfig
+
+LINEAR_ROW_SLAB = 32
+
+
+def _mkldnn_packing_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
+                                                            "_reorder_linear_weight")
+
+
+class Linear:
+    """y = x @ w.T (+ b) with batch-invariant rows.
+
+    On CPU in bf16 the weight is packed once into oneDNN's blocked layout (F.linear would
+    repack it on every call, which dominates decode); products run in slabs of
+    ``row_slab`` rows. The packed path gives the same bits as F.linear.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 row_slab: int | None = LINEAR_ROW_SLAB):
+        self.weight = weight  # [out, in]
+        self.bias = bias
+        self.row_slab = row_slab
+        self.out_features = weight.shape[0]
+        self._packed = None
+        if (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+                and _mkldnn_packing_available()):
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, in] -> [N, out]."""
+        n = x.shape[0]
+        slab = self.row_slab
+        if slab is None or n <= slab:
+            return self._product(x)
+        out = x.new_empty(n, self.out_features)
+        for i in range(0, n, slab):
+            out[i : i + slab] = self._product(x[i : i + slab])
+        return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-row RMSNorm computed in float32, as Llama's reference does."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies, with Llama-3 scaling when configured."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * torch.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryTable:
+    """cos/sin per position, precomputed in float32 and cast to the compute dtype."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        inv = rope_inv_freq(cfg)
+        pos = torch.arange(max_positions, dtype=torch.int64).float()
+        freqs = torch.outer(pos, inv)
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, d]
+        self.cos = emb.cos().to(dtype).to(device)
+        self.sin = emb.sin().to(dtype).to(device)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [N, heads, d]; positions: [N] int64."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        out = torch.empty_like(x)
+        # (x * cos + rotate_half(x) * sin), with rotate_half(x) = [-x2, x1]
+        out[..., :half] = x1 * cos[..., :half] - x2 * sin[..., :half]
+        out[..., half:] = x2 * cos[..., half:] + x1 * sin[..., half:]
+        return out

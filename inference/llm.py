@@ -1,0 +1,95 @@
+"""The offline Python API, in vLLM's shape: ``LLM(model).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from inference.engine import EngineConfig, LLMEngine
+from inference.errors import ModelError
+from inference.metrics import RequestMetrics
+from inference.model_import import (
+    DEFAULT_MODEL_NAME,
+    import_default_model,
+    models_dir,
+)
+from inference.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]  # generated ids, end-of-turn token included when it stopped there
+    num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+    finish_reason: str  # "stop" | "length" | "abort"
+    metrics: RequestMetrics
+
+
+def resolve_model(model: str | Path | None) -> Path:
+    """None: the default model (imported on first use); a name under $DOCQA_HOME/models;
+    or a path to a Hugging Face layout directory."""
+    if model is None or str(model) == DEFAULT_MODEL_NAME:
+        return import_default_model()
+    p = Path(model).expanduser()
+    if (p / "config.json").is_file():
+        return p
+    named = models_dir() / str(model)
+    if (named / "config.json").is_file():
+        return named
+    raise ModelError(
+        f"unknown model {str(model)!r}: not a directory with config.json, nor a model under "
+        f"{models_dir()}"
+    )
+
+
+class LLM:
+    def __init__(self, model: str | Path | None = None, dtype: str = "auto", **engine_kwargs):
+        self.engine = LLMEngine(EngineConfig(model_dir=resolve_model(model), dtype=dtype,
+                                             **engine_kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: list[str] | str | None = None,
+        sampling_params: SamplingParams | None = None,
+        prompt_token_ids: list[list[int]] | None = None,
+        use_cache: bool = True,
+        namespace: bytes = b"",
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, batched; one output per prompt, in order.
+
+        Text prompts are encoded as plain text (no chat template, no special tokens parsed).
+        """
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("pass exactly one of prompts and prompt_token_ids")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        ids_list = prompt_token_ids or [self.tokenizer.encode(p) for p in prompts]
+        params = sampling_params or SamplingParams()
+        engine = self.engine
+        reqs = []
+        try:
+            for ids in ids_list:
+                reqs.append(engine.add_request(ids, params, use_cache=use_cache,
+                                               namespace=namespace))
+            while any(not r.finished for r in reqs):
+                engine.step()
+        except BaseException:
+            for r in reqs:
+                engine.abort(r.request_id)
+            raise
+        outs = []
+        for r in reqs:
+            outs.append(RequestOutput(
+                request_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                text=self.tokenizer.decode(r.output_token_ids),
+                token_ids=list(r.output_token_ids),
+                num_cached_tokens=max(r.num_cached_tokens, 0),
+                finish_reason=r.finish_reason or "abort",
+                metrics=engine.request_metrics(r),
+            ))
+            engine.release(r)
+        return outs

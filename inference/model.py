@@ -1,0 +1,199 @@
+"""The Llama-family model (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+
+Plain tensors and functions, one file: embeddings -> [RMSNorm -> GQA attention with rotary ->
+residual -> RMSNorm -> SwiGLU -> residual] x L -> RMSNorm -> tied or separate LM head.
+q/k/v and gate/up projections are fused into one product each.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from inference.attention import AttentionMetadata, paged_attention_reference, store_kv_reference
+from inference.config import ModelConfig, dtype_name
+from inference.errors import ModelError
+from inference.layers import LINEAR_ROW_SLAB, Linear, RotaryTable, rms_norm
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor  # [H]
+    qkv: Linear  # [(heads + 2 * kv_heads) * d, H], bias for Qwen2
+    o_proj: Linear  # [H, heads * d]
+    post_norm: torch.Tensor  # [H]
+    gate_up: Linear  # [2 * I, H]
+    down: Linear  # [H, I]
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{model_dir} holds no .safetensors weights")
+    return files
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, cached beside it by size and mtime (weights are large)."""
+    st = path.stat()
+    sidecar = path.with_name(path.name + ".sha256")
+    key = f"{st.st_size}:{st.st_mtime_ns}"
+    if sidecar.is_file():
+        parts = sidecar.read_text().split()
+        if len(parts) == 2 and parts[0] == key:
+            return parts[1]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    digest = h.hexdigest()
+    try:
+        sidecar.write_text(f"{key} {digest}\n")
+    except OSError:
+        pass
+    return digest
+
+
+def model_fingerprint(model_dir: Path, dtype: torch.dtype, kv_dtype: torch.dtype,
+                      block_size: int) -> bytes:
+    """Content hash of a model as the prefix cache sees it (CONTRACTS.md, "Prefix hashing").
+
+    Hashes config.json, each weight file's sha256 and tokenizer.json, plus the compute dtype,
+    KV dtype and block size; never paths.
+    """
+    model_dir = Path(model_dir)
+    h = hashlib.sha256()
+    h.update((model_dir / "config.json").read_bytes())
+    for f in _weight_files(model_dir):
+        h.update(bytes.fromhex(file_sha256(f)))
+    tok = model_dir / "tokenizer.json"
+    if tok.is_file():
+        h.update(tok.read_bytes())
+    h.update(f"{dtype_name(dtype)}|{dtype_name(kv_dtype)}|{block_size}".encode())
+    return h.digest()
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.embed: torch.Tensor | None = None
+        self.lm_head: Linear | None = None
+        self.final_norm: torch.Tensor | None = None
+        self.layers: list[LayerWeights] = []
+        self.rotary = RotaryTable(cfg, cfg.max_position_embeddings, dtype, self.device)
+        self.scale = cfg.head_dim**-0.5
+        # bf16 rows are batch-invariant in slabs of 32 (layers.py); fp32 has no such path
+        self.row_slab = LINEAR_ROW_SLAB if dtype == torch.bfloat16 else None
+
+    # -- loading ------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, model_dir: Path, dtype: torch.dtype,
+                        device: torch.device | str = "cpu") -> LlamaModel:
+        model_dir = Path(model_dir)
+        cfg = ModelConfig.from_file(model_dir)
+        model = cls(cfg, dtype, device)
+        tensors: dict[str, torch.Tensor] = {}
+        for f in _weight_files(model_dir):
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                for name in sf.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    tensors[name] = sf.get_tensor(name)
+        model.load_state_dict(tensors)
+        return model
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Take Hugging Face Llama parameter names; fuse q/k/v and gate/up."""
+        cfg = self.cfg
+
+        def take(name: str) -> torch.Tensor:
+            if name not in sd:
+                raise ModelError(f"weights lack {name}")
+            return sd[name].to(self.dtype).to(self.device).contiguous()
+
+        def opt(name: str) -> torch.Tensor | None:
+            return take(name) if name in sd else None
+
+        slab = self.row_slab
+        self.embed = take("model.embed_tokens.weight")
+        self.final_norm = take("model.norm.weight")
+        if cfg.tie_word_embeddings or "lm_head.weight" not in sd:
+            self.lm_head = Linear(self.embed, None, slab)
+        else:
+            self.lm_head = Linear(take("lm_head.weight"), None, slab)
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([take(p + "self_attn.q_proj.weight"), take(p + "self_attn.k_proj.weight"),
+                             take(p + "self_attn.v_proj.weight")])
+            bias = None
+            if opt(p + "self_attn.q_proj.bias") is not None:
+                bias = torch.cat([take(p + "self_attn.q_proj.bias"),
+                                  take(p + "self_attn.k_proj.bias"),
+                                  take(p + "self_attn.v_proj.bias")])
+            self.layers.append(LayerWeights(
+                input_norm=take(p + "input_layernorm.weight"),
+                qkv=Linear(qkv.contiguous(), bias, slab),
+                o_proj=Linear(take(p + "self_attn.o_proj.weight"), None, slab),
+                post_norm=take(p + "post_attention_layernorm.weight"),
+                gate_up=Linear(torch.cat([take(p + "mlp.gate_proj.weight"),
+                                          take(p + "mlp.up_proj.weight")]).contiguous(),
+                               None, slab),
+                down=Linear(take(p + "mlp.down_proj.weight"), None, slab),
+            ))
+
+    def weight_bytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        tensors = [self.embed, self.lm_head.weight, self.final_norm]
+        for lw in self.layers:
+            tensors += [lw.input_norm, lw.qkv.weight, lw.qkv.bias, lw.o_proj.weight,
+                        lw.post_norm, lw.gate_up.weight, lw.down.weight]
+        for t in tensors:
+            if t is not None and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+    # -- forward ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [N] int64, new tokens of all sequences, concatenated
+        positions: torch.Tensor,  # [N] int64
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
+        logits_indices: torch.Tensor,  # [R] rows of N whose next-token logits are wanted
+    ) -> torch.Tensor:  # [R, vocab] float32
+        cfg = self.cfg
+        h = self.embed[input_ids]  # [N, H]
+        qd = cfg.num_heads * cfg.head_dim
+        kd = cfg.num_kv_heads * cfg.head_dim
+        n = h.shape[0]
+        for lw, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
+            qkv = lw.qkv(x)  # [N, qd + 2 kd]
+            q = qkv[:, :qd].view(n, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, qd : qd + kd].view(n, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, qd + kd :].view(n, cfg.num_kv_heads, cfg.head_dim)
+            q = self.rotary.apply(q, positions)
+            k = self.rotary.apply(k, positions)
+            store_kv_reference(k, v, k_cache, v_cache, meta.slot_mapping)
+            attn = paged_attention_reference(q, k_cache, v_cache, meta, self.scale)
+            h = h + lw.o_proj(attn.reshape(n, qd))
+            x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
+            gu = lw.gate_up(x)  # [N, 2I]
+            inter = cfg.intermediate_size
+            h = h + lw.down(F.silu(gu[:, :inter]) * gu[:, inter:])
+        h = rms_norm(h[logits_indices], self.final_norm, cfg.rms_norm_eps)
+        return self.lm_head(h).float()
+
+
+def read_config_json(model_dir: Path) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())

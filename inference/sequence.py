@@ -1,0 +1,67 @@
+"""A request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from inference.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class RequestTimes:
+    """Wall-clock marks (time.perf_counter seconds) and accumulated prefill time."""
+
+    arrival: float = field(default_factory=time.perf_counter)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    prefill_s: float = 0.0
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    namespace: bytes = b""  # cache namespace (tenant), chosen by the server
+    use_cache: bool = True  # False: cache "bypass"
+    eos_token_ids: frozenset[int] = frozenset()
+    max_model_len: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in this request's blocks
+    num_cached_tokens: int = -1  # prompt tokens served from cache (set at first admission)
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    times: RequestTimes = field(default_factory=RequestTimes)
+    generator: torch.Generator | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1 or not self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED

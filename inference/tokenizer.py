@@ -1,0 +1,129 @@
+"""Tokenizer: built from GGUF vocabularies, loaded from tokenizer.json.
+
+User text (manuals, questions, history) is always encoded with special-token parsing off: a
+manual that contains ``<|im_end|>`` yields ordinary text tokens. Control tokens of a prompt are
+placed by id (``special_id``), never by parsing text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from inference.errors import ModelError
+
+# GGUF token types (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user defined, 5 unused, 6 byte
+_CONTROL = 3
+_USER_DEFINED = 4
+
+# GPT-2 style split used by byte-level BPE models.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# llama-bpe (Llama 3) split: digits in groups of at most three.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# llama.cpp pre-tokenizers that split every digit on its own before the GPT-2 split.
+_DIGIT_SPLIT_PRES = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone",
+                     "minerva"}
+
+
+def _pre_tokenizer(pre: str):
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _DIGIT_SPLIT_PRES:
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    if pre in ("llama-bpe", "llama3", "smaug-bpe"):
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    return byte_level
+
+
+def build_tokenizer_from_gguf_fields(
+    *, tokens, merges, token_types, pre, model_kind, bos_id, eos_id, chat_template, max_length
+) -> tuple[str, dict]:
+    """Return (tokenizer.json text, tokenizer_config dict) for a GGUF vocabulary."""
+    if model_kind != "gpt2":
+        raise ModelError(
+            f"GGUF tokenizer model {model_kind!r} is not supported (byte-level BPE 'gpt2' only)"
+        )
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = _pre_tokenizer(pre)
+    tok.decoder = decoders.ByteLevel()
+    types = list(token_types) if token_types is not None else [1] * len(tokens)
+    added = []
+    for i, (t, ty) in enumerate(zip(tokens, types, strict=False)):
+        if ty in (_CONTROL, _USER_DEFINED):
+            added.append(AddedToken(t, special=ty == _CONTROL, normalized=False))
+    # add in id order so each keeps its vocabulary id
+    tok.add_special_tokens([a for a in added if a.special])
+    tok.add_tokens([a for a in added if not a.special])
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": tokens[bos_id],
+        "eos_token": tokens[eos_id],
+        "unk_token": tokens[0],
+        "model_max_length": max_length,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "additional_special_tokens": [a.content for a in added if a.special],
+        "chat_template": chat_template,
+        "gguf_pre_tokenizer": pre,
+    }
+    return tok.to_str(), config
+
+
+class TextTokenizer:
+    """tokenizer.json + tokenizer_config.json of a model directory."""
+
+    def __init__(self, model_dir: Path):
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise ModelError(f"{model_dir} has no tokenizer.json")
+        raw = path.read_bytes()
+        self.fingerprint = hashlib.sha256(raw).digest()
+        self._tok = Tokenizer.from_str(raw.decode("utf-8"))
+        self._tok.encode_special_tokens = True  # user text never yields control tokens
+        cfg_path = model_dir / "tokenizer_config.json"
+        self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.chat_template: str = self.config.get("chat_template") or ""
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of plain text; special-token strings inside it stay ordinary text."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def special_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def token_str(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def _config_token(self, key: str) -> str | None:
+        v = self.config.get(key)
+        if isinstance(v, dict):
+            v = v.get("content")
+        return v
+
+    @property
+    def eos_token_id(self) -> int | None:
+        t = self._config_token("eos_token")
+        return self.special_id(t) if t else None
+
+    @property
+    def bos_token_id(self) -> int | None:
+        t = self._config_token("bos_token")
+        return self.special_id(t) if t else None

@@ -1,0 +1,193 @@
+"""Ref-counted KV blocks, an O(1) LRU free queue and the hash index.
+
+Free queue order (head = evicted first):
+
+    head -> [least recently freed ... most recently freed] <- tail
+
+A request frees its blocks tail first (last block of its chain first), so within one chain the
+tail is evicted before the blocks the rest of the chain depends on. Eviction is lazy: a freed
+block keeps its hash and stays in the index until it is handed out again.
+
+Invariants (``check_integrity``):
+- every block is either in the free queue (ref_cnt == 0) or referenced (ref_cnt > 0), never both;
+- free + in use == total;
+- every indexed hash maps to a block that holds that hash.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    block_id: int  # index into the per-layer KV tensors
+    ref_cnt: int = 0  # requests currently using this block
+    block_hash: bytes | None = None  # set once the block is full, its KV written and indexed
+    parent_hash: bytes | None = None  # hash of the previous block in the chain (root for block 0)
+    token_ids: tuple[int, ...] = ()  # ids held by a hashed block, checked on every hit
+    # free-queue links; None when not in the queue
+    prev_free: Block | None = field(default=None, repr=False)
+    next_free: Block | None = field(default=None, repr=False)
+    in_free_queue: bool = False
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks: O(1) append, pop from the head, remove anywhere."""
+
+    def __init__(self, blocks: list[Block]):
+        self.head: Block | None = None
+        self.tail: Block | None = None
+        self.num_free = 0
+        for b in blocks:
+            self.append(b)
+
+    def append(self, block: Block) -> None:
+        assert not block.in_free_queue
+        block.prev_free, block.next_free = self.tail, None
+        if self.tail is None:
+            self.head = block
+        else:
+            self.tail.next_free = block
+        self.tail = block
+        block.in_free_queue = True
+        self.num_free += 1
+
+    def remove(self, block: Block) -> None:
+        assert block.in_free_queue
+        if block.prev_free is None:
+            self.head = block.next_free
+        else:
+            block.prev_free.next_free = block.next_free
+        if block.next_free is None:
+            self.tail = block.prev_free
+        else:
+            block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        block.in_free_queue = False
+        self.num_free -= 1
+
+    def popleft(self) -> Block:
+        if self.head is None:
+            raise IndexError("no free blocks")
+        block = self.head
+        self.remove(block)
+        return block
+
+    def __iter__(self):
+        b = self.head
+        while b is not None:
+            yield b
+            b = b.next_free
+
+
+class BlockPool:
+    """All KV blocks of one engine. Block ids index the per-layer KV tensors."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.hash_index: dict[bytes, Block] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return self.free_queue.num_free
+
+    @property
+    def num_cached_free(self) -> int:
+        """Free blocks that still hold a hash (reusable until evicted)."""
+        return sum(1 for b in self.free_queue if b.block_hash is not None)
+
+    def lookup(self, block_hash: bytes) -> Block | None:
+        return self.hash_index.get(block_hash)
+
+    def allocate(self, n: int) -> list[Block]:
+        """Take ``n`` blocks from the head of the free queue (evicting their hashes).
+
+        Raises IndexError, allocating nothing, when fewer than ``n`` are free.
+        """
+        if n > self.num_free:
+            raise IndexError(f"need {n} free blocks, have {self.num_free}")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[Block]) -> None:
+        """Take a reference on cached blocks (a prefix hit); free ones leave the queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free(self, blocks: list[Block]) -> None:
+        """Drop one reference on each block, in the given order (pass tail first)."""
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"block {block.block_id} freed more often than taken")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def register(
+        self, block: Block, block_hash: bytes, parent_hash: bytes, token_ids: tuple[int, ...]
+    ) -> bool:
+        """Index a full block whose KV has been written.
+
+        Returns False (and leaves the block unhashed) when another block already holds this
+        hash: the index keeps one copy and this block is freed normally later.
+        """
+        if block.block_hash is not None:
+            return block.block_hash == block_hash
+        if block_hash in self.hash_index:
+            return False
+        block.block_hash = block_hash
+        block.parent_hash = parent_hash
+        block.token_ids = token_ids
+        self.hash_index[block_hash] = block
+        return True
+
+    def _evict(self, block: Block) -> None:
+        if block.block_hash is not None:
+            if self.hash_index.get(block.block_hash) is block:
+                del self.hash_index[block.block_hash]
+            block.block_hash = None
+            block.parent_hash = None
+            block.token_ids = ()
+            self.num_evictions += 1
+
+    def reset_cache(self) -> int:
+        """Drop the hashes of all free blocks; returns how many were dropped."""
+        n = 0
+        for block in self.free_queue:
+            if block.block_hash is not None:
+                self._evict(block)
+                n += 1
+        return n
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if any pool invariant is broken."""
+        in_queue = list(self.free_queue)
+        assert len(in_queue) == self.num_free, "free count disagrees with the queue"
+        assert len({b.block_id for b in in_queue}) == len(in_queue), "block twice in free queue"
+        used = [b for b in self.blocks if b.ref_cnt > 0]
+        assert all(b.ref_cnt >= 0 for b in self.blocks), "negative ref count"
+        assert len(in_queue) + len(used) == self.num_blocks, "free + in use != total"
+        for b in in_queue:
+            assert b.ref_cnt == 0 and b.in_free_queue, f"free block {b.block_id} referenced"
+        for b in used:
+            assert not b.in_free_queue, f"referenced block {b.block_id} in free queue"
+        for h, b in self.hash_index.items():
+            assert b.block_hash == h, f"index entry points at block {b.block_id} without it"
+        hashed = [b for b in self.blocks if b.block_hash is not None]
+        assert len(hashed) == len(self.hash_index), "hashed block missing from the index"

@@ -1,0 +1,195 @@
+"""The KV cache manager the scheduler calls: longest cached prefix, allocate, register, free.
+
+Token ranges of one request (block_size 4 shown):
+
+    | cached (hit) | computed this request |  new this step  | (not yet) |
+    0          num_cached            num_computed      num_computed + n
+
+Rules (CONTRACTS.md, "Prefix hashing"):
+- a hit is accepted only if the stored block's token ids and parent hash equal ours, walking
+  from the first block, so the whole prefix is verified;
+- a block is registered only after its KV has been written (``register_computed``);
+- duplicates (bypassed or concurrent prefills of the same prefix) are tolerated: the index keeps
+  one, the other block is freed normally;
+- when every prompt token would hit, the last block is left out of the hit and recomputed into
+  a fresh block, so the first output token's logits exist.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from prefix_store.block_pool import Block, BlockPool
+from prefix_store.hashing import BlockHasher, hash_block
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Not enough free KV blocks for an allocation; nothing was allocated."""
+
+
+class CachedPrefix(NamedTuple):
+    blocks: list[Block]  # hit blocks, in chain order; not yet referenced by the request
+    num_cached_tokens: int  # len(blocks) * block_size
+    block_hashes: list[bytes]  # hashes of the hit blocks
+
+
+@dataclass(slots=True)
+class _RequestBlocks:
+    hasher: BlockHasher  # carries the namespace's root hash
+    use_cache: bool  # False for cache: "bypass" (no lookup, no registration)
+    blocks: list[Block] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # hashes of full blocks so far
+
+
+class KVCacheManager:
+    """Maps requests to KV blocks of one ``BlockPool``.
+
+    Mutates the pool only through ``allocate``, ``register_computed`` and ``free``; lookups
+    (``find_cached_prefix``) never change anything and are always safe to call.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, model_fingerprint: bytes):
+        self.block_size = block_size
+        self.model_fingerprint = model_fingerprint
+        self.pool = BlockPool(num_blocks)
+        self._hashers: dict[bytes, BlockHasher] = {}
+        self._requests: dict[str, _RequestBlocks] = {}
+
+    # -- lookups -------------------------------------------------------------------------
+    def hasher(self, namespace: bytes = b"") -> BlockHasher:
+        h = self._hashers.get(namespace)
+        if h is None:
+            h = self._hashers[namespace] = BlockHasher(
+                self.block_size, self.model_fingerprint, namespace
+            )
+        return h
+
+    def find_cached_prefix(
+        self, token_ids: Sequence[int], namespace: bytes = b""
+    ) -> CachedPrefix:
+        """Longest verified cached prefix of ``token_ids``, in full blocks.
+
+        At most ``len(token_ids) - 1`` tokens are reported, rounded down to a block: when every
+        token would hit, the last block is recomputed.
+        """
+        bs = self.block_size
+        max_blocks = (len(token_ids) - 1) // bs
+        parent = self.hasher(namespace).root
+        blocks: list[Block] = []
+        hashes: list[bytes] = []
+        for i in range(max_blocks):
+            ids = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = hash_block(parent, ids)
+            block = self.pool.lookup(h)
+            if block is None or block.token_ids != ids or block.parent_hash != parent:
+                break
+            blocks.append(block)
+            hashes.append(h)
+            parent = h
+        return CachedPrefix(blocks, len(blocks) * bs, hashes)
+
+    # -- per request -----------------------------------------------------------------------
+    def num_blocks_needed(self, request_id: str, num_tokens: int) -> int:
+        """New blocks a request needs to hold ``num_tokens`` tokens in all."""
+        have = len(self._requests[request_id].blocks) if request_id in self._requests else 0
+        return max(0, -(-num_tokens // self.block_size) - have)
+
+    def can_allocate(self, num_blocks: int, cached: CachedPrefix | None = None) -> bool:
+        # cached blocks that sit in the free queue stop being free once touched
+        reclaimed = sum(1 for b in cached.blocks if b.ref_cnt == 0) if cached else 0
+        return num_blocks <= self.pool.num_free - reclaimed
+
+    def allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        cached: CachedPrefix | None = None,
+        namespace: bytes = b"",
+        use_cache: bool = True,
+    ) -> list[Block]:
+        """Make ``request_id`` hold blocks for ``num_tokens`` tokens in all.
+
+        On the first call ``cached`` (from ``find_cached_prefix``) is taken: its blocks are
+        referenced and become the request's first blocks. Raises NoFreeBlocksError, changing
+        nothing, when the pool cannot supply the new blocks. Returns the request's blocks.
+        """
+        state = self._requests.get(request_id)
+        if state is None:
+            state = _RequestBlocks(self.hasher(namespace), use_cache)
+            if cached is not None and cached.blocks:
+                if not use_cache:
+                    raise ValueError("a bypassing request cannot take cached blocks")
+                need = -(-num_tokens // self.block_size) - len(cached.blocks)
+                if not self.can_allocate(need, cached):
+                    raise NoFreeBlocksError(f"need {need} blocks, {self.pool.num_free} free")
+                self.pool.touch(cached.blocks)
+                state.blocks.extend(cached.blocks)
+                state.block_hashes.extend(cached.block_hashes)
+            self._requests[request_id] = state
+        need = -(-num_tokens // self.block_size) - len(state.blocks)
+        if need > 0:
+            try:
+                state.blocks.extend(self.pool.allocate(need))
+            except IndexError as e:
+                if not state.blocks:
+                    del self._requests[request_id]
+                raise NoFreeBlocksError(str(e)) from None
+        return state.blocks
+
+    def register_computed(
+        self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int
+    ) -> int:
+        """Register the request's blocks that became full once ``num_computed_tokens`` tokens'
+        KV is written. ``token_ids`` holds at least those tokens. Returns blocks newly indexed.
+        """
+        state = self._requests[request_id]
+        if not state.use_cache:
+            return 0
+        bs = self.block_size
+        num_full = num_computed_tokens // bs
+        start = len(state.block_hashes)
+        if num_full <= start:
+            return 0
+        parent = state.block_hashes[-1] if state.block_hashes else state.hasher.root
+        added = 0
+        for i in range(start, num_full):
+            ids = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = hash_block(parent, ids)
+            if self.pool.register(state.blocks[i], h, parent, ids):
+                added += 1
+            state.block_hashes.append(h)
+            parent = h
+        return added
+
+    def free(self, request_id: str) -> None:
+        """Release a request's blocks, tail first (its chain's tail is evicted first)."""
+        state = self._requests.pop(request_id, None)
+        if state is not None:
+            self.pool.free(list(reversed(state.blocks)))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._requests[request_id].blocks]
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def usage(self) -> float:
+        """Fraction of blocks referenced by running requests."""
+        return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        counts: dict[int, int] = {}
+        for state in self._requests.values():
+            for b in state.blocks:
+                counts[b.block_id] = counts.get(b.block_id, 0) + 1
+        for b in self.pool.blocks:
+            assert b.ref_cnt == counts.get(b.block_id, 0), (
+                f"block {b.block_id}: ref_cnt {b.ref_cnt} but held {counts.get(b.block_id, 0)}x"
+            )
