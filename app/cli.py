@@ -27,8 +27,7 @@ def cmd_model_import(args) -> int:
 
     if args.gguf:
         src = Path(args.gguf)
-        out = Path(args.output) if args.output else (
-            Path(default_model_dir()).parent / src.stem)
+        out = Path(args.output) if args.output else (Path(default_model_dir()).parent / src.stem)
         path = import_gguf(src, out, force=args.force)
     else:
         path = import_default_model(force=args.force)
@@ -73,10 +72,14 @@ def cmd_kv_budget(args) -> int:
     bpt = kv_bytes_per_token(layers, kv_heads, head_dim, kv_dtype)
     elem = torch.empty((), dtype=kv_dtype).element_size()
     print(f"config: {label}")
-    print(f"layers {layers}, KV heads {kv_heads}, head dim {head_dim}, KV dtype "
-          f"{dtype_name(kv_dtype)} ({elem} bytes)")
-    print(f"KV cache: {bpt / 1024:.2f} KiB per token "
-          f"(2 x {layers} x {kv_heads} x {head_dim} x {elem} = {bpt:,} bytes)")
+    print(
+        f"layers {layers}, KV heads {kv_heads}, head dim {head_dim}, KV dtype "
+        f"{dtype_name(kv_dtype)} ({elem} bytes)"
+    )
+    print(
+        f"KV cache: {bpt / 1024:.2f} KiB per token "
+        f"(2 x {layers} x {kv_heads} x {head_dim} x {elem} = {bpt:,} bytes)"
+    )
     print(f"per sequence of {context:,} tokens: {format_bytes(bpt * context)}")
     if args.memory_gib:
         tokens = int(args.memory_gib * 2**30 // bpt)
@@ -96,8 +99,10 @@ def _print_answer(idx: int, question: str, result: dict, computed: int, as_json:
     u, t = result["usage"], result["timings"]
     print(f"Q{idx}: {question}")
     print(f"A{idx}: {result['answer']}")
-    print(f"   usage: prompt_tokens={u['prompt_tokens']} cached_tokens={u['cached_tokens']} "
-          f"completion_tokens={u['completion_tokens']} (computed {computed} prompt tokens)")
+    print(
+        f"   usage: prompt_tokens={u['prompt_tokens']} cached_tokens={u['cached_tokens']} "
+        f"completion_tokens={u['completion_tokens']} (computed {computed} prompt tokens)"
+    )
     print("   timings: " + " ".join(f"{k}={v:.1f}" for k, v in t.items()))
     print(flush=True)
 
@@ -111,8 +116,9 @@ def cmd_ask(args) -> int:
     questions = args.questions
     text = read_manual_file(manual_path)
     if args.max_tokens < 1 or args.max_tokens > args.max_tokens_cap:
-        raise DocqaError(f"--max-tokens must be between 1 and {args.max_tokens_cap}, "
-                         f"got {args.max_tokens}")
+        raise DocqaError(
+            f"--max-tokens must be between 1 and {args.max_tokens_cap}, got {args.max_tokens}"
+        )
     llm = LLM(args.model, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib)
     engine = llm.engine
     builder = PromptBuilder(llm.tokenizer)
@@ -124,15 +130,21 @@ def cmd_ask(args) -> int:
         if not q.strip():
             raise DocqaError(f"question {i} is empty")
         try:
-            built = builder.build(text, q, max_model_len=engine.max_model_len,
-                                  max_tokens=args.max_tokens, manual_ids=prefix)
+            built = builder.build(
+                text,
+                q,
+                max_model_len=engine.max_model_len,
+                max_tokens=args.max_tokens,
+                manual_ids=prefix,
+            )
         except PromptLayoutTooLong as e:
             raise DocqaError(f"manual {manual_path} is too long: {e}") from None
         for w in built.warnings:
             logging.getLogger("docqa").warning(w)
         before = engine.prompt_tokens_computed
-        out = llm.generate(prompt_token_ids=[built.token_ids], sampling_params=params,
-                           use_cache=not args.no_cache)[0]
+        out = llm.generate(
+            prompt_token_ids=[built.token_ids], sampling_params=params, use_cache=not args.no_cache
+        )[0]
         computed = engine.prompt_tokens_computed - before
         result = {
             "answer": out.text.strip(),
@@ -145,8 +157,12 @@ def cmd_ask(args) -> int:
             "timings": out.metrics.to_dict(),
         }
         logging.getLogger("docqa").info(
-            "question %d: %d prompt tokens, %d cached, %d computed", i,
-            len(built.token_ids), out.num_cached_tokens, computed)
+            "question %d: %d prompt tokens, %d cached, %d computed",
+            i,
+            len(built.token_ids),
+            out.num_cached_tokens,
+            computed,
+        )
         _print_answer(i, q, result, computed, args.json)
     return 0
 
@@ -187,8 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     def engine_args(sp):
         sp.add_argument("--model", default=None, help="model directory or name (default model)")
         sp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-        sp.add_argument("--kv-cache-gib", type=float, default=None,
-                        help="KV pool size on CPU (default: a quarter of free memory, <= 4)")
+        sp.add_argument(
+            "--kv-cache-gib",
+            type=float,
+            default=None,
+            help="KV pool size on CPU (default: a quarter of free memory, <= 4)",
+        )
         sp.add_argument("--max-tokens", type=int, default=128, help="answer length cap")
         sp.add_argument("--max-tokens-cap", type=int, default=1024, help=argparse.SUPPRESS)
         sp.add_argument("--json", action="store_true", help="one JSON object per answer")

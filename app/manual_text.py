@@ -14,7 +14,7 @@ class ManualError(DocqaError):
 
 
 def read_manual_file(path: str | Path) -> str:
-    """Text of a txt/md manual. Raises ManualError for a missing, empty, binary or oversized file."""
+    """Text of a txt/md manual; ManualError for a missing, empty, binary or oversized file."""
     p = Path(path)
     if not p.exists():
         raise ManualError(f"manual {p} does not exist")

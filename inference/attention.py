@@ -105,8 +105,14 @@ def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, block_ids).reshape(-1, kvh, d).permute(1, 0, 2)
 
 
-def _decode_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                block_ids: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+def _decode_one(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:
     """q: [H, d] of one decode token at position seq_len - 1 -> [H, d] float32."""
     num_heads, d = q.shape
     kvh = k_cache.shape[2]
@@ -172,10 +178,15 @@ def paged_attention_reference(
         out = torch.empty_like(q)
     bs = k_cache.shape[1]
     start = 0
-    for i, (sl, ql, nblk, decode) in enumerate(zip(
-        meta.seq_lens_list, meta.query_lens_list, meta.num_blocks_list, meta.is_decode_list,
-        strict=True,
-    )):
+    for i, (sl, ql, nblk, decode) in enumerate(
+        zip(
+            meta.seq_lens_list,
+            meta.query_lens_list,
+            meta.num_blocks_list,
+            meta.is_decode_list,
+            strict=True,
+        )
+    ):
         block_ids = meta.block_tables[i, :nblk].to(torch.int64)
         if decode:
             out[start] = _decode_one(q[start], k_cache, v_cache, block_ids, sl, scale)

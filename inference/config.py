@@ -58,8 +58,15 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
@@ -84,7 +91,9 @@ class ModelConfig:
             raise ModelError(f"model type {mtype!r} is not a supported Llama-family model")
         heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
-        rs = d.get("rope_scaling") or None
+        # transformers >= 5 writes "rope_parameters" (theta inside); checkpoints "rope_scaling"
+        rs = d.get("rope_scaling") or d.get("rope_parameters") or None
+        rope_theta = d.get("rope_theta") or (rs or {}).get("rope_theta") or 10000.0
         scaling = None
         if rs:
             kind = rs.get("rope_type", rs.get("type"))
@@ -108,7 +117,7 @@ class ModelConfig:
             num_kv_heads=int(d.get("num_key_value_heads") or heads),
             head_dim=int(d.get("head_dim") or hidden // heads),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(d.get("rope_theta", 10000.0)),
+            rope_theta=float(rope_theta),
             rope_scaling=scaling,
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),

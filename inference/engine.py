@@ -25,7 +25,7 @@ from inference.metrics import PrefillCostModel, RequestMetrics
 from inference.model import LlamaModel, model_fingerprint
 from inference.sampling import SamplingParams, sample
 from inference.scheduler import Scheduler, SchedulerConfig
-from inference.sequence import Request, RequestStatus
+from inference.sequence import Request
 from inference.tokenizer import TextTokenizer
 from prefix_store import KVCacheManager
 
@@ -105,27 +105,37 @@ class LLMEngine:
         self.tokenizer = TextTokenizer(model_dir)
         t0 = time.perf_counter()
         self.model = LlamaModel.from_pretrained(model_dir, self.dtype, self.device)
-        log.info("loaded %s (%s, %s) in %.1f s", model_dir.name, dtype_name(self.dtype),
-                 self.device, time.perf_counter() - t0)
+        log.info(
+            "loaded %s (%s, %s) in %.1f s",
+            model_dir.name,
+            dtype_name(self.dtype),
+            self.device,
+            time.perf_counter() - t0,
+        )
         cfg = self.model_config
         max_len = cfg.max_position_embeddings
         if config.max_model_len:
             max_len = min(max_len, config.max_model_len)
         self.max_model_len = max_len
-        self.kv_spec = size_kv_cache(cfg, self.kv_dtype, config.block_size,
-                                     self._kv_budget_bytes(), max_len)
+        self.kv_spec = size_kv_cache(
+            cfg, self.kv_dtype, config.block_size, self._kv_budget_bytes(), max_len
+        )
         shape = (self.kv_spec.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-             torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+            )
             for _ in range(cfg.num_layers)
         ]
         for line in self.kv_spec.log_lines():
             log.info(line)
-        self.fingerprint = model_fingerprint(model_dir, self.dtype, self.kv_dtype,
-                                             config.block_size)
-        self.kv_manager = KVCacheManager(self.kv_spec.num_blocks, config.block_size,
-                                         self.fingerprint)
+        self.fingerprint = model_fingerprint(
+            model_dir, self.dtype, self.kv_dtype, config.block_size
+        )
+        self.kv_manager = KVCacheManager(
+            self.kv_spec.num_blocks, config.block_size, self.fingerprint
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs), self.kv_manager
         )
@@ -153,8 +163,9 @@ class LLMEngine:
         return int(gib * 2**30)
 
     def kv_cache_allocated_bytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size()
-                   for k, v in self.kv_caches)
+        return sum(
+            k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv_caches
+        )
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(
@@ -164,27 +175,45 @@ class LLMEngine:
         request_id: str | None = None,
         namespace: bytes = b"",
         use_cache: bool = True,
+        keep_logits: bool = False,
     ) -> Request:
+        """Queue a request. ``use_cache=False`` is cache "bypass": nothing is read from the
+        prefix cache and nothing of this request is registered in it."""
         n = len(prompt_token_ids)
         if n == 0:
             raise PromptTooLongError("the prompt is empty", self.max_model_len)
         if n >= self.max_model_len:
             raise PromptTooLongError(
                 f"prompt is {n:,} tokens; this model's context is {self.max_model_len:,} tokens "
-                "(one position must stay free for the answer)", self.max_model_len)
+                "(one position must stay free for the answer)",
+                self.max_model_len,
+            )
         bad = [t for t in prompt_token_ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
-            raise ModelError(f"token id {bad[0]} is outside the vocabulary "
-                             f"(0..{self.model_config.vocab_size - 1})")
+            raise ModelError(
+                f"token id {bad[0]} is outside the vocabulary "
+                f"(0..{self.model_config.vocab_size - 1})"
+            )
         rid = request_id or f"req_{uuid.uuid4().hex[:16]}"
         gen = None
         if not params.greedy:
             gen = torch.Generator()
-            gen.manual_seed(params.seed if params.seed is not None else
-                            int.from_bytes(os.urandom(8), "little") >> 1)
-        req = Request(rid, list(prompt_token_ids), params, namespace=namespace,
-                      use_cache=use_cache, eos_token_ids=self.eos_token_ids,
-                      max_model_len=self.max_model_len, generator=gen)
+            gen.manual_seed(
+                params.seed
+                if params.seed is not None
+                else int.from_bytes(os.urandom(8), "little") >> 1
+            )
+        req = Request(
+            rid,
+            list(prompt_token_ids),
+            params,
+            namespace=namespace,
+            use_cache=use_cache,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            generator=gen,
+            keep_logits=keep_logits,
+        )
         self.scheduler.add(req)
         self.requests[rid] = req
         return req
@@ -219,14 +248,16 @@ class LLMEngine:
             if ctx + n == req.num_tokens:
                 logits_rows.append(len(input_ids) - 1)
                 sampling.append(req)
-        meta = AttentionMetadata.build(tables, seq_lens, q_lens, self.kv_spec.block_size,
-                                       self.device, decodes)
+        meta = AttentionMetadata.build(
+            tables, seq_lens, q_lens, self.kv_spec.block_size, self.device, decodes
+        )
         dev = self.device
         t0 = time.perf_counter()
         logits = self.model.forward(
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev),
-            meta, self.kv_caches,
+            meta,
+            self.kv_caches,
             torch.tensor(logits_rows, dtype=torch.int64, device=dev),
         )
         if dev.type == "cuda":
@@ -240,13 +271,16 @@ class LLMEngine:
                 req.times.prefill_s += dt
                 prefill_chunks.append((n, ctx))
             req.num_computed_tokens = ctx + n
-            self.kv_manager.register_computed(req.request_id, req.all_token_ids,
-                                              req.num_computed_tokens)
+            self.kv_manager.register_computed(
+                req.request_id, req.all_token_ids, req.num_computed_tokens
+            )
         if prefill_chunks and len(prefill_chunks) == len(out.chunks):
             self.cost_model.observe(prefill_chunks, dt)
         finished = []
         now = time.perf_counter()
         for row, req in enumerate(sampling):
+            if req.keep_logits:
+                req.logits.append(logits[row].clone())
             tok = sample(logits[row], req.params, req.generator)
             req.output_token_ids.append(tok)
             self.generation_tokens += 1
@@ -255,9 +289,10 @@ class LLMEngine:
             reason = None
             if tok in req.eos_token_ids and not req.params.ignore_eos:
                 reason = "stop"
-            elif len(req.output_token_ids) >= req.params.max_tokens:
-                reason = "length"
-            elif req.num_tokens >= req.max_model_len:
+            elif (
+                len(req.output_token_ids) >= req.params.max_tokens
+                or req.num_tokens >= req.max_model_len
+            ):
                 reason = "length"
             if reason:
                 self.scheduler.finish(req, reason)
@@ -278,8 +313,9 @@ class LLMEngine:
             decode_ms=decode_ms,
             tpot_ms=decode_ms / (n_out - 1) if n_out > 1 else 0.0,
             e2e_ms=(end - t.arrival) * 1000,
-            ttft_saved_ms=self.cost_model.saved_ms(req.num_prompt_tokens,
-                                                   max(req.num_cached_tokens, 0)),
+            ttft_saved_ms=self.cost_model.saved_ms(
+                req.num_prompt_tokens, max(req.num_cached_tokens, 0)
+            ),
         )
 
     def release(self, req: Request) -> None:

@@ -13,23 +13,54 @@ from inference.config import ModelConfig
 
 # Well-known configurations for ``docqa kv-budget NAME`` (architecture fields only).
 KNOWN_CONFIGS: dict[str, dict] = {
-    "smollm2-135m": dict(num_hidden_layers=30, num_key_value_heads=3, head_dim=64,
-                         max_position_embeddings=8192, torch_dtype="bfloat16"),
-    "llama-2-7b": dict(num_hidden_layers=32, num_key_value_heads=32, head_dim=128,
-                       max_position_embeddings=4096, torch_dtype="float16"),
-    "llama-3-8b": dict(num_hidden_layers=32, num_key_value_heads=8, head_dim=128,
-                       max_position_embeddings=8192, torch_dtype="bfloat16"),
-    "llama-3-70b": dict(num_hidden_layers=80, num_key_value_heads=8, head_dim=128,
-                        max_position_embeddings=8192, torch_dtype="bfloat16"),
-    "mistral-7b": dict(num_hidden_layers=32, num_key_value_heads=8, head_dim=128,
-                       max_position_embeddings=32768, torch_dtype="bfloat16"),
-    "qwen2-7b": dict(num_hidden_layers=28, num_key_value_heads=4, head_dim=128,
-                     max_position_embeddings=32768, torch_dtype="bfloat16"),
+    "smollm2-135m": dict(
+        num_hidden_layers=30,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=8192,
+        torch_dtype="bfloat16",
+    ),
+    "llama-2-7b": dict(
+        num_hidden_layers=32,
+        num_key_value_heads=32,
+        head_dim=128,
+        max_position_embeddings=4096,
+        torch_dtype="float16",
+    ),
+    "llama-3-8b": dict(
+        num_hidden_layers=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=8192,
+        torch_dtype="bfloat16",
+    ),
+    "llama-3-70b": dict(
+        num_hidden_layers=80,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=8192,
+        torch_dtype="bfloat16",
+    ),
+    "mistral-7b": dict(
+        num_hidden_layers=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=32768,
+        torch_dtype="bfloat16",
+    ),
+    "qwen2-7b": dict(
+        num_hidden_layers=28,
+        num_key_value_heads=4,
+        head_dim=128,
+        max_position_embeddings=32768,
+        torch_dtype="bfloat16",
+    ),
 }
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
-                       kv_dtype: torch.dtype) -> int:
+def kv_bytes_per_token(
+    num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype
+) -> int:
     return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=kv_dtype).element_size()
 
 
@@ -69,8 +100,9 @@ class KVCacheSpec:
         ]
 
 
-def size_kv_cache(cfg: ModelConfig, kv_dtype: torch.dtype, block_size: int, budget_bytes: int,
-                  max_model_len: int) -> KVCacheSpec:
+def size_kv_cache(
+    cfg: ModelConfig, kv_dtype: torch.dtype, block_size: int, budget_bytes: int, max_model_len: int
+) -> KVCacheSpec:
     bpt = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
     num_blocks = budget_bytes // (bpt * block_size)
     if num_blocks < 1:

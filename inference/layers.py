@@ -18,8 +18,9 @@ LINEAR_ROW_SLAB = 32
 
 
 def _mkldnn_packing_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
-                                                            "_reorder_linear_weight")
+    return torch.backends.mkldnn.is_available() and hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight"
+    )
 
 
 class Linear:
@@ -30,15 +31,22 @@ class Linear:
     ``row_slab`` rows. The packed path gives the same bits as F.linear.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 row_slab: int | None = LINEAR_ROW_SLAB):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        row_slab: int | None = LINEAR_ROW_SLAB,
+    ):
         self.weight = weight  # [out, in]
         self.bias = bias
         self.row_slab = row_slab
         self.out_features = weight.shape[0]
         self._packed = None
-        if (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-                and _mkldnn_packing_available()):
+        if (
+            weight.device.type == "cpu"
+            and weight.dtype == torch.bfloat16
+            and _mkldnn_packing_available()
+        ):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,8 +95,13 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 class RotaryTable:
     """cos/sin per position, precomputed in float32 and cast to the compute dtype."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
         inv = rope_inv_freq(cfg)
         pos = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(pos, inv)

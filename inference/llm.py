@@ -46,8 +46,9 @@ def resolve_model(model: str | Path | None) -> Path:
 
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "auto", **engine_kwargs):
-        self.engine = LLMEngine(EngineConfig(model_dir=resolve_model(model), dtype=dtype,
-                                             **engine_kwargs))
+        self.engine = LLMEngine(
+            EngineConfig(model_dir=resolve_model(model), dtype=dtype, **engine_kwargs)
+        )
         self.tokenizer = self.engine.tokenizer
 
     def generate(
@@ -72,8 +73,9 @@ class LLM:
         reqs = []
         try:
             for ids in ids_list:
-                reqs.append(engine.add_request(ids, params, use_cache=use_cache,
-                                               namespace=namespace))
+                reqs.append(
+                    engine.add_request(ids, params, use_cache=use_cache, namespace=namespace)
+                )
             while any(not r.finished for r in reqs):
                 engine.step()
         except BaseException:
@@ -82,14 +84,16 @@ class LLM:
             raise
         outs = []
         for r in reqs:
-            outs.append(RequestOutput(
-                request_id=r.request_id,
-                prompt_token_ids=r.prompt_token_ids,
-                text=self.tokenizer.decode(r.output_token_ids),
-                token_ids=list(r.output_token_ids),
-                num_cached_tokens=max(r.num_cached_tokens, 0),
-                finish_reason=r.finish_reason or "abort",
-                metrics=engine.request_metrics(r),
-            ))
+            outs.append(
+                RequestOutput(
+                    request_id=r.request_id,
+                    prompt_token_ids=r.prompt_token_ids,
+                    text=self.tokenizer.decode(r.output_token_ids),
+                    token_ids=list(r.output_token_ids),
+                    num_cached_tokens=max(r.num_cached_tokens, 0),
+                    finish_reason=r.finish_reason or "abort",
+                    metrics=engine.request_metrics(r),
+                )
+            )
             engine.release(r)
         return outs

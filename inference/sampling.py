@@ -33,8 +33,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def sample(logits: torch.Tensor, params: SamplingParams,
-           generator: torch.Generator | None) -> int:
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token id from ``logits`` [vocab] float32."""
     if params.greedy:
         return int(torch.argmax(logits))

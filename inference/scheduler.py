@@ -122,8 +122,9 @@ class Scheduler:
             num_cached = cached.num_cached_tokens if cached else 0
             n = min(req.num_tokens - num_cached, budget)
             try:
-                self.kv.allocate(req.request_id, num_cached + n, cached, req.namespace,
-                                 req.use_cache)
+                self.kv.allocate(
+                    req.request_id, num_cached + n, cached, req.namespace, req.use_cache
+                )
             except NoFreeBlocksError:
                 break
             self.waiting.popleft()

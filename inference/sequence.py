@@ -45,6 +45,8 @@ class Request:
     finish_reason: str | None = None
     times: RequestTimes = field(default_factory=RequestTimes)
     generator: torch.Generator | None = None
+    keep_logits: bool = False  # keep each sampled position's logits (tests, logprobs)
+    logits: list[torch.Tensor] = field(default_factory=list)  # [vocab] float32 each
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -28,21 +28,20 @@ _LLAMA3_SPLIT = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 # llama.cpp pre-tokenizers that split every digit on its own before the GPT-2 split.
-_DIGIT_SPLIT_PRES = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone",
-                     "minerva"}
+_DIGIT_SPLIT_PRES = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
 
 
 def _pre_tokenizer(pre: str):
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in _DIGIT_SPLIT_PRES:
-        return pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in ("llama-bpe", "llama3", "smaug-bpe"):
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     return byte_level
 
 
@@ -61,7 +60,7 @@ def build_tokenizer_from_gguf_fields(
     tok.decoder = decoders.ByteLevel()
     types = list(token_types) if token_types is not None else [1] * len(tokens)
     added = []
-    for i, (t, ty) in enumerate(zip(tokens, types, strict=False)):
+    for _i, (t, ty) in enumerate(zip(tokens, types, strict=False)):
         if ty in (_CONTROL, _USER_DEFINED):
             added.append(AddedToken(t, special=ty == _CONTROL, normalized=False))
     # add in id order so each keeps its vocabulary id

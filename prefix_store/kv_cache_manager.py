@@ -66,9 +66,7 @@ class KVCacheManager:
             )
         return h
 
-    def find_cached_prefix(
-        self, token_ids: Sequence[int], namespace: bytes = b""
-    ) -> CachedPrefix:
+    def find_cached_prefix(self, token_ids: Sequence[int], namespace: bytes = b"") -> CachedPrefix:
         """Longest verified cached prefix of ``token_ids``, in full blocks.
 
         At most ``len(token_ids) - 1`` tokens are reported, rounded down to a block: when every

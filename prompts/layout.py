@@ -134,7 +134,10 @@ class PromptBuilder:
                 raise PromptLayoutTooLong(
                     f"manual and question are {len(prefix) + len(q_ids):,} tokens plus "
                     f"max_tokens {max_tokens:,}; this model's context is {max_model_len:,} "
-                    "tokens", base, max_model_len)
+                    "tokens",
+                    base,
+                    max_model_len,
+                )
             while turns and base + sum(len(t) for t in turns) > max_model_len:
                 turns.pop(0)
                 dropped += 1
@@ -144,8 +147,10 @@ class PromptBuilder:
             if dropped and not turns:
                 q_ids = self._question_ids(question, True) + self._assistant_open()
             if dropped:
-                warnings.append(f"dropped the {dropped} oldest conversation turn(s) to fit the "
-                                f"context of {max_model_len:,} tokens")
+                warnings.append(
+                    f"dropped the {dropped} oldest conversation turn(s) to fit the "
+                    f"context of {max_model_len:,} tokens"
+                )
         ids = list(prefix)
         for t in turns:
             ids += t

@@ -10,11 +10,21 @@ import re
 from typing import NamedTuple
 
 _PATTERNS = [
-    ("date", re.compile(r"\b\d{4}-\d{2}-\d{2}\b|\b\d{1,2}/\d{1,2}/\d{2,4}\b|\b(?:Mon|Tue|Wed|Thu"
-                        r"|Fri|Sat|Sun)[a-z]*,? \d{1,2} ")),
+    (
+        "date",
+        re.compile(
+            r"\b\d{4}-\d{2}-\d{2}\b|\b\d{1,2}/\d{1,2}/\d{2,4}\b|\b(?:Mon|Tue|Wed|Thu"
+            r"|Fri|Sat|Sun)[a-z]*,? \d{1,2} "
+        ),
+    ),
     ("time", re.compile(r"\b\d{1,2}:\d{2}(?::\d{2})?\b")),
-    ("uuid", re.compile(r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-"
-                        r"[0-9a-fA-F]{12}\b")),
+    (
+        "uuid",
+        re.compile(
+            r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-"
+            r"[0-9a-fA-F]{12}\b"
+        ),
+    ),
     ("counter", re.compile(r"(?i)\b(?:request|req|session|turn|attempt|counter|seq)[ _#:-]*\d+\b")),
     ("timestamp", re.compile(r"\b1[5-9]\d{8}(?:\.\d+)?\b")),
 ]
@@ -26,9 +36,11 @@ class LintFinding(NamedTuple):
     text: str  # the matched text
 
     def message(self) -> str:
-        return (f"volatile content ({self.kind} {self.text!r}) in the {self.segment} segment, "
-                "before the manual: it changes the prefix hash and defeats the cache; "
-                "move it after the manual")
+        return (
+            f"volatile content ({self.kind} {self.text!r}) in the {self.segment} segment, "
+            "before the manual: it changes the prefix hash and defeats the cache; "
+            "move it after the manual"
+        )
 
 
 def lint_prefix(segments: dict[str, str]) -> list[LintFinding]:

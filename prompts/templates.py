@@ -26,10 +26,18 @@ class ChatFormat:
     end_of_turn: str = ""  # the token generation stops at
 
 
-CHATML = ChatFormat("chatml", (), "<|im_start|>", "\n", "<|im_end|>", "\n",
-                    end_of_turn="<|im_end|>")
-LLAMA3 = ChatFormat("llama3", ("<|begin_of_text|>",), "<|start_header_id|>",
-                    "<|end_header_id|>\n\n", "<|eot_id|>", "", end_of_turn="<|eot_id|>")
+CHATML = ChatFormat(
+    "chatml", (), "<|im_start|>", "\n", "<|im_end|>", "\n", end_of_turn="<|im_end|>"
+)
+LLAMA3 = ChatFormat(
+    "llama3",
+    ("<|begin_of_text|>",),
+    "<|start_header_id|>",
+    "<|end_header_id|>\n\n",
+    "<|eot_id|>",
+    "",
+    end_of_turn="<|eot_id|>",
+)
 # Mistral's [INST] form has no system role: instructions and manual open the first user turn.
 MISTRAL = ChatFormat("mistral", ("<s>",), "[INST]", " ", "[/INST]", "", end_of_turn="</s>")
 

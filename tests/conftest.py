@@ -1,0 +1,75 @@
+"""Shared fixtures: the real default model (imported once into $DOCQA_HOME) and tiny random
+Llama checkpoints written in Hugging Face layout."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+SMOL_TOKENIZER_NEEDED = "tests that need a tokenizer use the imported default model's"
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from inference.model_import import import_default_model
+
+    return import_default_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_dir):
+    from inference.tokenizer import TextTokenizer
+
+    return TextTokenizer(default_model_dir)
+
+
+def write_tiny_model(
+    path: Path,
+    tokenizer_dir: Path,
+    *,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    hidden: int = 64,
+    layers: int = 2,
+    seed: int = 0,
+    qkv_bias: bool = False,
+) -> Path:
+    """A random Llama checkpoint with the default model's tokenizer (vocab 49152)."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2 + 8,
+        num_hidden_layers=layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        attention_bias=qkv_bias,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    path.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(sd, str(path / "model.safetensors"))
+    d = cfg.to_dict()
+    d["torch_dtype"] = "float32"
+    (path / "config.json").write_text(json.dumps(d))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (path / f).write_bytes((tokenizer_dir / f).read_bytes())
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "m", default_model_dir)

@@ -1,0 +1,151 @@
+"""Engine behaviour on a tiny random model: prefix reuse, numerics, counters, sizing, errors."""
+
+import pytest
+import torch
+
+from inference import LLM, PromptTooLongError, SamplingParams
+from inference.kv_sizing import kv_bytes_per_token
+from inference.scheduler import RequestTooLargeError
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(tiny_model_dir, dtype="bfloat16", kv_cache_gib=0.01, max_num_batched_tokens=96)
+
+
+def _first_logits(llm, ids, use_cache=True, max_tokens=1):
+    eng = llm.engine
+    req = eng.add_request(
+        ids,
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        use_cache=use_cache,
+        keep_logits=True,
+    )
+    while not req.finished:
+        eng.step()
+    eng.release(req)
+    eng.kv_manager.check_integrity()
+    return req
+
+
+def _prompt(seed, n):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 49000, (n,), generator=g).tolist()
+
+
+def test_cold_and_warm_last_token_logits_are_bitwise_equal(llm):
+    manual = _prompt(1, 300)
+    for q_len, seed in [(7, 2), (16, 3), (40, 4)]:  # prefixes ending mid-block and on a block
+        ids = manual + _prompt(seed, q_len)
+        warm = _first_logits(llm, manual + _prompt(seed + 100, 5))  # puts the manual in cache
+        warm = _first_logits(llm, ids)
+        cold = _first_logits(llm, ids, use_cache=False)
+        assert warm.num_cached_tokens >= 288 and cold.num_cached_tokens == 0
+        assert torch.equal(warm.logits[0], cold.logits[0])
+    # full-prompt hit: every block cached, the last block is recomputed
+    again = _first_logits(llm, ids)
+    assert again.num_cached_tokens == (len(ids) - 1) // 16 * 16
+    assert torch.equal(again.logits[0], cold.logits[0])
+
+
+def test_decode_logits_equal_alone_and_in_a_batch(llm):
+    eng = llm.engine
+    prompts = [_prompt(10 + i, 20 + 7 * i) for i in range(4)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    alone = []
+    for p in prompts:
+        r = _first_logits(llm, p, use_cache=False, max_tokens=6)
+        alone.append(r)
+    reqs = [eng.add_request(p, params, use_cache=False, keep_logits=True) for p in prompts]
+    while any(not r.finished for r in reqs):
+        eng.step()
+    for a, b in zip(alone, reqs, strict=True):
+        assert a.output_token_ids == b.output_token_ids
+        for la, lb in zip(a.logits, b.logits, strict=True):
+            assert torch.equal(la, lb)
+        eng.release(b)
+
+
+def test_generate_api_reports_cached_tokens_and_computed_counter(llm):
+    eng = llm.engine
+    manual = _prompt(20, 200)
+    sp = SamplingParams(max_tokens=3)
+    before = eng.prompt_tokens_computed
+    out1 = llm.generate(prompt_token_ids=[manual + [5, 6, 7]], sampling_params=sp)[0]
+    assert out1.num_cached_tokens == 0
+    assert eng.prompt_tokens_computed - before == 203
+    before = eng.prompt_tokens_computed
+    out2 = llm.generate(prompt_token_ids=[manual + [8, 9, 10, 11]], sampling_params=sp)[0]
+    assert out2.num_cached_tokens == 192
+    assert eng.prompt_tokens_computed - before == 204 - 192
+    assert out2.finish_reason in ("stop", "length")
+    m = out2.metrics
+    assert m.ttft_ms > 0 and m.e2e_ms >= m.ttft_ms and m.queue_ms >= 0
+    assert isinstance(out2.text, str) and len(out2.token_ids) <= 3
+    eng.kv_manager.check_integrity()
+
+
+def test_bypass_registers_nothing(llm):
+    eng = llm.engine
+    ids = _prompt(30, 64)
+    eng.kv_manager.pool.reset_cache()
+    llm.generate(
+        prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=1), use_cache=False
+    )
+    assert eng.kv_manager.find_cached_prefix(ids).num_cached_tokens == 0
+
+
+def test_kv_allocation_matches_sizing(llm):
+    eng = llm.engine
+    cfg = eng.model_config
+    bpt = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16)
+    assert eng.kv_spec.bytes_per_token == bpt
+    assert eng.kv_cache_allocated_bytes() == bpt * eng.kv_spec.num_tokens
+    assert eng.kv_spec.num_tokens == int(0.01 * 2**30) // (bpt * 16) * 16
+
+
+def test_bad_prompts_are_rejected(llm):
+    eng = llm.engine
+    with pytest.raises(PromptTooLongError, match="context is 2,048 tokens"):
+        eng.add_request(list(range(2100)), SamplingParams())
+    with pytest.raises(PromptTooLongError):
+        eng.add_request([], SamplingParams())
+    small = LLM(llm.engine.model_dir, dtype="bfloat16", kv_cache_gib=0.0002)
+    with pytest.raises(RequestTooLargeError, match="KV blocks"):
+        small.engine.add_request(list(range(1000)), SamplingParams())
+
+
+def test_preemption_under_a_tiny_pool_still_completes(tiny_model_dir):
+    small = LLM(tiny_model_dir, dtype="bfloat16", kv_cache_gib=0.0005, max_num_batched_tokens=64)
+    eng = small.engine
+    num_blocks = eng.kv_spec.num_blocks
+    prompts = [_prompt(40 + i, num_blocks * 16 // 3) for i in range(3)]
+    outs = small.generate(
+        prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=24, ignore_eos=True)
+    )
+    assert [len(o.token_ids) for o in outs] == [24, 24, 24]
+    assert eng.scheduler.num_preemptions > 0
+    eng.kv_manager.check_integrity()
+    # preempted requests recompute to the same greedy tokens as alone
+    for p, o in zip(prompts, outs, strict=True):
+        alone = small.generate(
+            prompt_token_ids=[p],
+            use_cache=False,
+            sampling_params=SamplingParams(max_tokens=24, ignore_eos=True),
+        )[0]
+        assert alone.token_ids == o.token_ids
+
+
+def test_sampling_with_seed_is_reproducible(llm):
+    sp = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    ids = _prompt(50, 30)
+    a = llm.generate(prompt_token_ids=[ids], sampling_params=sp)[0]
+    b = llm.generate(prompt_token_ids=[ids], sampling_params=sp)[0]
+    assert a.token_ids == b.token_ids
+
+
+def test_sampling_params_validate():
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)

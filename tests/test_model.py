@@ -1,0 +1,152 @@
+"""The torch model against transformers' LlamaForCausalLM on tiny random configs (fp32)."""
+
+import random
+
+import pytest
+import torch
+
+from inference.attention import AttentionMetadata
+from inference.config import ModelConfig
+from inference.model import LlamaModel
+
+
+def _hf_tiny(num_heads, num_kv_heads, qwen2=False, seed=0):
+    torch.manual_seed(seed)
+    if qwen2:
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        cfg = Qwen2Config(
+            vocab_size=320,
+            hidden_size=96,
+            intermediate_size=136,
+            num_hidden_layers=2,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            max_position_embeddings=512,
+            rope_theta=1e6,
+            tie_word_embeddings=False,
+        )
+        model = Qwen2ForCausalLM(cfg).eval()
+        for name, p in model.named_parameters():  # make the qkv biases matter
+            if name.endswith("bias"):
+                p.data.normal_(0, 0.5)
+        return cfg, model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=320,
+        hidden_size=96,
+        intermediate_size=136,
+        num_hidden_layers=2,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=96 // num_heads,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    )
+    return cfg, LlamaForCausalLM(cfg).eval()
+
+
+def _ours(cfg, model, dtype=torch.float32):
+    ours = LlamaModel(ModelConfig.from_dict(cfg.to_dict()), dtype)
+    ours.load_state_dict(model.state_dict())
+    return ours
+
+
+def _run_chunks(ours, ids, chunks, block_size=16, seed=0):
+    """Prefill ``ids`` in the given chunk lengths over a shuffled block table."""
+    cfg = ours.cfg
+    nblk = -(-len(ids) // block_size)
+    table = list(range(nblk + 3))
+    random.Random(seed).shuffle(table)
+    table = table[:nblk]
+    shape = (nblk + 3, block_size, cfg.num_kv_heads, cfg.head_dim)
+    kv = [
+        (torch.full(shape, 7.0, dtype=ours.dtype), torch.full(shape, 7.0, dtype=ours.dtype))
+        for _ in range(cfg.num_layers)
+    ]
+    outs, pos = [], 0
+    for n in chunks:
+        meta = AttentionMetadata.build([table], [pos + n], [n], block_size)
+        outs.append(
+            ours.forward(
+                torch.tensor(ids[pos : pos + n]),
+                torch.arange(pos, pos + n),
+                meta,
+                kv,
+                torch.arange(n),
+            )
+        )
+        pos += n
+    return torch.cat(outs)
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])  # GQA ratio 1 and 3
+@pytest.mark.parametrize("length", [37, 101])
+def test_logits_match_transformers_fp32(heads, kv_heads, length):
+    cfg, hf = _hf_tiny(heads, kv_heads)
+    ours = _ours(cfg, hf)
+    ids = torch.randint(0, cfg.vocab_size, (length,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0].float()
+    whole = _run_chunks(ours, ids.tolist(), [length])
+    assert _rel(whole, ref) < 1e-4
+    chunked = _run_chunks(ours, ids.tolist(), [length // 3, 1, length - length // 3 - 1])
+    assert _rel(chunked, ref) < 1e-4
+
+
+def test_qwen2_qkv_bias_matches_transformers():
+    cfg, hf = _hf_tiny(6, 2, qwen2=True)
+    ours = _ours(cfg, hf)
+    assert ours.layers[0].qkv.bias is not None
+    ids = torch.randint(0, cfg.vocab_size, (45,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0].float()
+    assert _rel(_run_chunks(ours, ids.tolist(), [45]), ref) < 1e-4
+
+
+def test_llama3_rope_scaling_matches_transformers():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    cfg = LlamaConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
+    hf = LlamaForCausalLM(cfg).eval()
+    ours = _ours(cfg, hf)
+    assert ours.cfg.rope_scaling is not None
+    ids = torch.randint(0, 320, (150,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0].float()
+    assert _rel(_run_chunks(ours, ids.tolist(), [150]), ref) < 1e-4
+
+
+def test_bf16_rows_are_chunking_invariant():
+    """The same prompt in different chunkings gives bitwise equal logits in bf16."""
+    cfg, hf = _hf_tiny(6, 2, seed=5)
+    ours = _ours(cfg, hf, torch.bfloat16)
+    ids = torch.randint(0, cfg.vocab_size, (203,), generator=torch.Generator().manual_seed(6))
+    ids = ids.tolist()
+    whole = _run_chunks(ours, ids, [203])
+    for chunks in ([100, 103], [16, 1, 186], [64, 64, 64, 11], [202, 1]):
+        got = _run_chunks(ours, ids, chunks, seed=len(chunks))
+        assert torch.equal(got, whole), chunks

@@ -1,0 +1,111 @@
+"""The real default model: logits against transformers' own GGUF loader, and cache numerics."""
+
+import pytest
+import torch
+
+from inference import LLM, SamplingParams
+from inference.attention import AttentionMetadata
+from inference.model import LlamaModel
+from inference.model_import import DEFAULT_GGUF_MEMBER, models_dir
+from prompts import PromptBuilder
+
+pytestmark = pytest.mark.slow
+
+MANUAL = (
+    "The pump has three modes. Mode A runs continuously. Mode B runs for 15 minutes every hour. "
+    "Mode C runs only when the float switch closes. To reset the pump, hold the red button for "
+    "5 seconds until the light blinks twice. The filter must be cleaned every 30 days; a dirty "
+    "filter triggers error E4. Error E7 means the motor is overheating: switch the pump off and "
+    "let it cool for one hour. "
+) * 6
+QUESTIONS = [
+    "How do I reset the pump?",
+    "What does error E7 mean?",
+    "How often is the filter cleaned?",
+    "Which mode runs continuously?",
+]
+
+
+@pytest.fixture(scope="module")
+def bf16_llm(default_model_dir):
+    return LLM(default_model_dir, dtype="bfloat16", kv_cache_gib=0.25)
+
+
+def _first(llm, ids, use_cache, max_tokens=1):
+    eng = llm.engine
+    req = eng.add_request(
+        ids, SamplingParams(max_tokens=max_tokens), use_cache=use_cache, keep_logits=True
+    )
+    while not req.finished:
+        eng.step()
+    eng.release(req)
+    return req
+
+
+def test_logits_match_transformers_gguf_loader(default_model_dir, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    gguf = models_dir() / "gguf" / DEFAULT_GGUF_MEMBER.split("/")[-1]
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    ours = LlamaModel.from_pretrained(default_model_dir, torch.float32)
+    ids = tokenizer.encode(MANUAL[:700] + " Question: what is mode B?")
+    n = len(ids)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    cfg = ours.cfg
+    nblk = -(-n // 16)
+    kv = [
+        (
+            torch.zeros(nblk, 16, cfg.num_kv_heads, cfg.head_dim),
+            torch.zeros(nblk, 16, cfg.num_kv_heads, cfg.head_dim),
+        )
+        for _ in range(cfg.num_layers)
+    ]
+    meta = AttentionMetadata.build([list(range(nblk))[::-1]], [n], [n], 16)
+    got = ours.forward(torch.tensor(ids), torch.arange(n), meta, kv, torch.arange(n))
+    rel = float((got - ref).norm() / ref.norm())
+    print(f"fp32 logits vs transformers GGUF loader: rel {rel:.2e} over {n} tokens")
+    assert rel < 1e-4
+
+
+def test_bf16_cold_and_warm_are_bitwise_equal(bf16_llm):
+    builder = PromptBuilder(bf16_llm.tokenizer)
+    prefix, _ = builder.prefix_ids(MANUAL)
+    assert len(prefix) % 16 != 0  # the shared prefix ends mid-block
+    _first(bf16_llm, builder.build(MANUAL, "Warm-up question?").token_ids, use_cache=True)
+    for q in QUESTIONS:
+        ids = builder.build(MANUAL, q, manual_ids=(prefix, 0)).token_ids
+        warm = _first(bf16_llm, ids, use_cache=True, max_tokens=12)
+        cold = _first(bf16_llm, ids, use_cache=False, max_tokens=12)
+        assert warm.num_cached_tokens >= (len(prefix) // 16) * 16
+        assert torch.equal(warm.logits[0], cold.logits[0]), q
+        assert warm.output_token_ids == cold.output_token_ids, q
+    # full-prompt hit: the same prompt again
+    again = _first(bf16_llm, ids, use_cache=True)
+    assert again.num_cached_tokens == (len(ids) - 1) // 16 * 16
+    assert torch.equal(again.logits[0], cold.logits[0])
+    bf16_llm.engine.kv_manager.check_integrity()
+
+
+def test_fp32_greedy_tokens_agree_cold_and_warm(default_model_dir):
+    llm = LLM(default_model_dir, dtype="float32", kv_cache_gib=0.25)
+    builder = PromptBuilder(llm.tokenizer)
+    max_diff = 0.0
+    for q in QUESTIONS[:2]:
+        ids = builder.build(MANUAL, q).token_ids
+        _first(llm, ids, use_cache=True)  # cache the prefix
+        warm = _first(llm, ids, use_cache=True, max_tokens=10)
+        cold = _first(llm, ids, use_cache=False, max_tokens=10)
+        assert warm.num_cached_tokens > 0
+        assert warm.output_token_ids == cold.output_token_ids
+        max_diff = max(max_diff, float((warm.logits[0] - cold.logits[0]).abs().max()))
+    print(f"fp32 max |logit difference| cold vs warm: {max_diff:.2e}")
+    assert max_diff < 1e-2
+
+
+def test_kv_bytes_of_loaded_model(bf16_llm):
+    eng = bf16_llm.engine
+    assert eng.kv_spec.bytes_per_token == 2 * 30 * 3 * 64 * 2  # 22.5 KiB
+    assert eng.kv_cache_allocated_bytes() == eng.kv_spec.total_bytes
