@@ -210,7 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
             help="KV pool size on CPU (default: a quarter of free memory, <= 4)",
         )
         sp.add_argument("--max-tokens", type=int, default=128, help="answer length cap")
-        sp.add_argument("--max-tokens-cap", type=int, default=1024, help=argparse.SUPPRESS)
+        sp.add_argument(
+            "--max-tokens-cap", type=int, default=1024, help="upper bound of --max-tokens"
+        )
         sp.add_argument("--json", action="store_true", help="one JSON object per answer")
         sp.add_argument("--no-cache", action="store_true", help="compute every prompt cold")
 

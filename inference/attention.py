@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 PREFILL_QUERY_SLAB = 64  # queries per prefill score product (padded)
-KEY_TILE = 128  # keys per reduction step; a multiple of every supported block size
+KEY_TILE = 512  # keys per reduction step; a multiple of every supported block size
 
 
 @dataclass(slots=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -216,7 +215,3 @@ class LlamaModel:
             h = h + lw.down(F.silu(gu[:, :inter]) * gu[:, inter:])
         h = rms_norm(h[logits_indices], self.final_norm, cfg.rms_norm_eps)
         return self.lm_head(h).float()
-
-
-def read_config_json(model_dir: Path) -> dict:
-    return json.loads((Path(model_dir) / "config.json").read_text())

@@ -35,8 +35,7 @@ class ScheduledChunk(NamedTuple):
 
 class SchedulerOutput(NamedTuple):
     chunks: list[ScheduledChunk]
-    preempted: list[Request]
-    finished: list[Request]  # failed at admission (can never fit)
+    preempted: list[Request]  # requests moved back to waiting in this step
 
 
 class RequestTooLargeError(DocqaError):
@@ -141,7 +140,7 @@ class Scheduler:
             self.running.append(req)
             chunks.append(ScheduledChunk(req, n, num_cached))
             budget -= n
-        return SchedulerOutput(chunks, preempted, [])
+        return SchedulerOutput(chunks, preempted)
 
     def finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason

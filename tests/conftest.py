@@ -9,8 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-SMOL_TOKENIZER_NEEDED = "tests that need a tokenizer use the imported default model's"
-
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
