@@ -237,9 +237,11 @@ class LLMEngine:
         positions: list[int] = []
         tables, seq_lens, q_lens, logits_rows, decodes = [], [], [], [], []
         sampling: list[Request] = []
+        chunk_tokens: list[list[int]] = []
         for req, n, ctx in out.chunks:
             decodes.append(_is_decode(req, n, ctx))
-            toks = req.all_token_ids
+            toks = req.all_token_ids  # built once per chunk, reused for registration below
+            chunk_tokens.append(toks)
             input_ids.extend(toks[ctx : ctx + n])
             positions.extend(range(ctx, ctx + n))
             tables.append(self.kv_manager.block_ids(req.request_id))
@@ -265,15 +267,15 @@ class LLMEngine:
         dt = time.perf_counter() - t0
         self.num_steps += 1
         prefill_chunks = []
-        for (req, n, ctx), is_decode in zip(out.chunks, decodes, strict=True):
+        bs = self.kv_spec.block_size
+        for (req, n, ctx), is_decode, toks in zip(out.chunks, decodes, chunk_tokens, strict=True):
             if not is_decode:
                 self.prompt_tokens_computed += n
                 req.times.prefill_s += dt
                 prefill_chunks.append((n, ctx))
             req.num_computed_tokens = ctx + n
-            self.kv_manager.register_computed(
-                req.request_id, req.all_token_ids, req.num_computed_tokens
-            )
+            if (ctx + n) // bs > ctx // bs:  # a block became full: hash and index it
+                self.kv_manager.register_computed(req.request_id, toks, ctx + n)
         if prefill_chunks and len(prefill_chunks) == len(out.chunks):
             self.cost_model.observe(prefill_chunks, dt)
         finished = []

@@ -61,9 +61,5 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
-    def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < self.num_tokens - 1 or not self.output_token_ids
-
-    @property
     def finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
