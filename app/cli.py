@@ -18,7 +18,7 @@ def _setup_logging(verbose: bool) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    for noisy in ("urllib3", "filelock"):
+    for noisy in ("urllib3", "filelock", "alembic.runtime.plugins"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
@@ -168,15 +168,47 @@ def cmd_ask(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    """Until the REST service lands: answer sample questions about the bundled manual."""
-    logging.getLogger("docqa").info("answering sample questions about %s", _sample_manual())
-    args.manual = None
-    args.questions = [
-        "How do I extract an archive without overwriting existing files?",
-        "Which option compresses the archive?",
-        "What exit status means a fatal error?",
-    ]
-    return cmd_ask(args)
+    """Migrate the database, then serve the REST API (the model loads in the background;
+    /ready answers 503 until it has)."""
+    import uvicorn
+
+    from app.api.app import create_app
+    from app.db.migrate import upgrade
+    from app.settings import Settings
+
+    settings = Settings.from_env(
+        model=args.model,
+        dtype=args.dtype,
+        kv_cache_gib=args.kv_cache_gib,
+        max_tokens_cap=args.max_tokens_cap,
+        num_threads=args.threads,
+    )
+    upgrade(settings.database_url)  # before the event loop starts (Alembic runs its own)
+    app = create_app(settings)
+    logging.getLogger("docqa").info(
+        "serving on http://%s:%d (auth %s)",
+        args.host,
+        args.port,
+        "on" if settings.auth_enabled else "off",
+    )
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning" if not args.verbose else "info",
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
+def cmd_db_upgrade(args) -> int:
+    from app.db.migrate import head_revision, upgrade
+    from app.settings import Settings
+
+    settings = Settings.from_env()
+    upgrade(settings.database_url, args.revision)
+    print(f"database at revision {head_revision() if args.revision == 'head' else args.revision}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -222,11 +254,28 @@ def build_parser() -> argparse.ArgumentParser:
     engine_args(a)
     a.set_defaults(func=cmd_ask)
 
-    s = sub.add_parser("serve", help="run docqa on the bundled sample manual")
+    s = sub.add_parser("serve", help="run the REST API (migrates the database first)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    engine_args(s)
+    s.add_argument("--model", default=None, help="model directory or name (default model)")
+    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    s.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=None,
+        help="KV pool size on CPU (default: a quarter of free memory, <= 4)",
+    )
+    s.add_argument(
+        "--max-tokens-cap", type=int, default=1024, help="upper bound of a request's max_tokens"
+    )
+    s.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     s.set_defaults(func=cmd_serve)
+
+    d = sub.add_parser("db", help="database migrations")
+    dsub = d.add_subparsers(dest="db_command", required=True)
+    du = dsub.add_parser("upgrade", help="apply migrations to DOCQA_DATABASE_URL")
+    du.add_argument("revision", nargs="?", default="head")
+    du.set_defaults(func=cmd_db_upgrade)
     return p
 
 

@@ -38,3 +38,84 @@ def manual_text_from_bytes(data: bytes, name: str = "manual") -> str:
     if not text.strip():
         raise ManualError(f"{name} is empty")
     return text
+
+
+class UnsupportedManualType(DocqaError):
+    code = "unsupported_media_type"
+
+
+TEXT_EXTENSIONS = {".txt": "txt", ".text": "txt", ".md": "md", ".markdown": "md"}
+HTML_EXTENSIONS = {".html": "html", ".htm": "html", ".xhtml": "html"}
+SUPPORTED = ".txt, .md, .html, .pdf"
+_CONTENT_TYPES = {
+    "text/plain": "txt",
+    "text/markdown": "md",
+    "text/x-markdown": "md",
+    "text/html": "html",
+    "application/xhtml+xml": "html",
+    "application/pdf": "pdf",
+}
+
+
+def manual_kind(filename: str | None, content_type: str | None) -> str:
+    """txt | md | html | pdf from the file name's extension, else from its content type."""
+    ext = Path(filename or "").suffix.lower()
+    if ext in TEXT_EXTENSIONS:
+        return TEXT_EXTENSIONS[ext]
+    if ext in HTML_EXTENSIONS:
+        return "html"
+    if ext == ".pdf":
+        return "pdf"
+    ctype = (content_type or "").split(";")[0].strip().lower()
+    if not ext and ctype in _CONTENT_TYPES:
+        return _CONTENT_TYPES[ctype]
+    what = f"'{ext}'" if ext else f"content type '{ctype or 'none'}'"
+    raise UnsupportedManualType(f"unsupported file type {what}; supported: {SUPPORTED}")
+
+
+def html_to_text(html: str) -> str:
+    import html2text
+
+    conv = html2text.HTML2Text()
+    conv.body_width = 0  # no hard wrapping: lines stay as the document has them
+    conv.ignore_images = True
+    conv.ignore_links = True
+    conv.unicode_snob = True
+    return conv.handle(html)
+
+
+def pdf_to_text(data: bytes, name: str) -> str:
+    import io
+
+    from pypdf import PdfReader
+    from pypdf.errors import PyPdfError
+
+    try:
+        reader = PdfReader(io.BytesIO(data))
+        if reader.is_encrypted:
+            raise ManualError(f"{name} is an encrypted PDF; upload an unencrypted file")
+        pages = [page.extract_text() or "" for page in reader.pages]
+    except ManualError:
+        raise
+    except (PyPdfError, ValueError, KeyError, TypeError, OSError) as e:
+        raise ManualError(f"{name} is not a readable PDF ({type(e).__name__}: {e})") from None
+    text = "\n\n".join(p.strip() for p in pages if p.strip())
+    if not text.strip():
+        raise ManualError(f"{name} has no extractable text (a scanned PDF needs OCR first)")
+    return text
+
+
+def extract_manual_text(data: bytes, kind: str, name: str = "manual") -> str:
+    """Plain text of an uploaded file of ``kind`` (from ``manual_kind``)."""
+    if not data:
+        raise ManualError(f"{name} is empty")
+    if kind == "pdf":
+        if not data.startswith(b"%PDF-"):
+            raise ManualError(f"{name} is not a PDF (it does not start with %PDF-)")
+        return pdf_to_text(data, name)
+    text = manual_text_from_bytes(data, name)
+    if kind == "html":
+        text = html_to_text(text)
+        if not text.strip():
+            raise ManualError(f"{name} has no text once its HTML markup is removed")
+    return text

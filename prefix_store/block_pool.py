@@ -91,6 +91,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.hash_index: dict[bytes, Block] = {}
         self.num_evictions = 0
+        self._num_cached_free = 0  # free blocks that still hold a hash
 
     @property
     def num_blocks(self) -> int:
@@ -102,8 +103,9 @@ class BlockPool:
 
     @property
     def num_cached_free(self) -> int:
-        """Free blocks that still hold a hash (reusable until evicted)."""
-        return sum(1 for b in self.free_queue if b.block_hash is not None)
+        """Free blocks that still hold a hash (reusable until evicted); kept as a counter so
+        readers on other threads never walk the queue."""
+        return self._num_cached_free
 
     def lookup(self, block_hash: bytes) -> Block | None:
         return self.hash_index.get(block_hash)
@@ -128,6 +130,8 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+                if block.block_hash is not None:
+                    self._num_cached_free -= 1
             block.ref_cnt += 1
 
     def free(self, blocks: list[Block]) -> None:
@@ -138,6 +142,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+                if block.block_hash is not None:
+                    self._num_cached_free += 1
 
     def register(
         self, block: Block, block_hash: bytes, parent_hash: bytes, token_ids: tuple[int, ...]
@@ -155,10 +161,14 @@ class BlockPool:
         block.parent_hash = parent_hash
         block.token_ids = token_ids
         self.hash_index[block_hash] = block
+        if block.ref_cnt == 0:
+            self._num_cached_free += 1
         return True
 
     def _evict(self, block: Block) -> None:
+        """Drop a free block's hash (it is being reused, or the cache is reset)."""
         if block.block_hash is not None:
+            self._num_cached_free -= 1
             if self.hash_index.get(block.block_hash) is block:
                 del self.hash_index[block.block_hash]
             block.block_hash = None
@@ -191,3 +201,5 @@ class BlockPool:
             assert b.block_hash == h, f"index entry points at block {b.block_id} without it"
         hashed = [b for b in self.blocks if b.block_hash is not None]
         assert len(hashed) == len(self.hash_index), "hashed block missing from the index"
+        cached_free = sum(1 for b in in_queue if b.block_hash is not None)
+        assert cached_free == self._num_cached_free, "cached-free counter disagrees"

@@ -72,8 +72,18 @@ class PromptBuilder:
         ids = self._special(f.turn_close)
         return ids + (self.tok.encode(f.after_close) if f.after_close else [])
 
-    def prefix_ids(self, manual_text: str) -> tuple[list[int], int]:
-        """(ids of header + instructions + manual, index where the manual starts)."""
+    def manual_token_ids(self, manual_text: str) -> list[int]:
+        """The manual segment's ids, as ``prefix_ids`` lays them out (stored per manual)."""
+        return self.tok.encode(manual_text.strip() + "\n")
+
+    def prefix_ids(
+        self, manual_text: str | None = None, manual_token_ids: Sequence[int] | None = None
+    ) -> tuple[list[int], int]:
+        """(ids of header + instructions + manual, index where the manual starts).
+
+        Pass the manual's text, or its ids from ``manual_token_ids`` to skip re-encoding."""
+        if (manual_text is None) == (manual_token_ids is None):
+            raise ValueError("pass exactly one of manual_text and manual_token_ids")
         f = self.fmt
         ids: list[int] = []
         for t in f.begin:
@@ -84,7 +94,9 @@ class PromptBuilder:
             ids += self._open(f.system_role)
         ids += self.tok.encode(self.system_prompt + "\n\nMANUAL:\n")
         manual_start = len(ids)
-        ids += self.tok.encode(manual_text.strip() + "\n")
+        if manual_token_ids is None:
+            manual_token_ids = self.manual_token_ids(manual_text)
+        ids += list(manual_token_ids)
         if f.name != "mistral":
             ids += self._close()
         return ids, manual_start
@@ -109,6 +121,32 @@ class PromptBuilder:
         if self.fmt.after_close and self.fmt.name != "mistral":
             ids += self.tok.encode(self.fmt.after_close)
         return ids
+
+    def chat_ids(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        """A plain chat (no manual): ``(role, content)`` turns in the model's template, then the
+        assistant header. Roles: system, user, assistant."""
+        f = self.fmt
+        ids: list[int] = []
+        for t in f.begin:
+            ids += self._special(t)
+        pending_system = ""
+        for role, content in messages:
+            if f.name == "mistral":
+                if role == "system":
+                    pending_system += content.strip() + "\n\n"
+                    continue
+                if role == "user":
+                    ids += self._open(f.user_role)
+                    ids += self.tok.encode(pending_system + content.strip())
+                    ids += self._close()
+                    pending_system = ""
+                else:
+                    ids += self.tok.encode(" " + content.strip())
+                    ids += [self.end_of_turn_id()]
+                continue
+            name = {"system": f.system_role, "user": f.user_role, "assistant": f.assistant_role}
+            ids += self._open(name[role]) + self.tok.encode(content.strip()) + self._close()
+        return ids + self._assistant_open()
 
     # -- whole prompt ----------------------------------------------------------------------------
     def build(

@@ -71,3 +71,53 @@ def write_tiny_model(
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "m", default_model_dir)
+
+
+# -- the service over real HTTP ------------------------------------------------------------------
+API_KEYS = "key-a:tenant_a,key-b:tenant_b"
+
+
+@pytest.fixture(scope="session")
+def pg_url():
+    """A Postgres database of this test run only (dropped at the end)."""
+    from svc_helpers import create_pg_database, drop_pg_database
+
+    url = create_pg_database()
+    yield url
+    drop_pg_database(url)
+
+
+@pytest.fixture(scope="session")
+def sqlite_server(default_model_dir, tmp_path_factory):
+    """``docqa serve`` on a SQLite file, auth off (the embedded default)."""
+    from svc_helpers import Server
+
+    d = tmp_path_factory.mktemp("sqlite-server")
+    srv = Server(d, f"sqlite:///{d / 'docqa.db'}", name="sqlite").start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def pg_server(default_model_dir, pg_url, tmp_path_factory):
+    """``docqa serve`` on the real Postgres, with API keys for two tenants."""
+    from svc_helpers import Server
+
+    d = tmp_path_factory.mktemp("pg-server")
+    srv = Server(d, pg_url, api_keys=API_KEYS, name="postgres").start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def api(request):
+    """An HTTP client of a running server, on each database (tenant_a's key on Postgres)."""
+    if request.param == "sqlite":
+        srv = request.getfixturevalue("sqlite_server")
+        client = srv.client()
+    else:
+        srv = request.getfixturevalue("pg_server")
+        client = srv.client("key-a")
+    client.server = srv
+    with client:
+        yield client

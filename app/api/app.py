@@ -1,0 +1,193 @@
+"""The Litestar app factory: settings, database, engine runner and metrics on ``app.state``;
+/v1 routes behind the API-key guard; health, readiness and metrics outside it."""
+
+from __future__ import annotations
+
+import logging
+
+from litestar import Litestar, Response, Router, get
+from litestar.datastructures import State
+from litestar.di import Provide
+from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import SwaggerRenderPlugin
+from litestar.openapi.spec import Components, SecurityScheme
+
+from app.api.conversations import question_controllers
+from app.api.deps import auth_guard, provide_qa, provide_tenant
+from app.api.errors import EXCEPTION_HANDLERS, error_response
+from app.api.manuals import ManualController
+from app.api.openai_compat import openai_controllers
+from app.api.schemas import EngineInfo, QuestionTypes
+from app.db import Database
+from app.engine_runner import EngineRunner
+from app.metrics import CONTENT_TYPE, ServiceMetrics
+from app.qa import QAService
+from app.settings import Settings
+from inference.config import dtype_name
+
+log = logging.getLogger("docqa.api")
+
+
+@get("/health", tags=["system"], summary="Liveness", include_in_schema=True)
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+async def redis_tier_status(state: State) -> str:
+    """disabled (no DOCQA_REDIS_URL) | ok | degraded (configured but not answering)."""
+    url = state.settings.redis_url
+    if not url:
+        return "disabled"
+    import redis.asyncio as aioredis
+
+    client = state.get("redis_client")
+    if client is None:
+        client = state.redis_client = aioredis.from_url(
+            url, socket_connect_timeout=0.5, socket_timeout=0.5
+        )
+    try:
+        await client.ping()
+        return "ok"
+    except (aioredis.RedisError, OSError) as e:
+        log.warning("redis tier degraded: %s", e)
+        return "degraded"
+
+
+@get("/ready", tags=["system"], summary="Readiness: 200 once the model is loaded, else 503")
+async def ready(state: State) -> Response:
+    """A missing Redis only degrades caching: readiness stays 200 and reports the tier."""
+    runner: EngineRunner = state.runner
+    body = {
+        "status": "ready" if runner.ready else runner.state,
+        "model": runner.model_name,
+        "tiers": {"device": "ok", "redis": await redis_tier_status(state)},
+    }
+    if runner.error:
+        body["error"] = runner.error
+    if not runner.ready:
+        return Response(body, status_code=503, headers={"Retry-After": "5"})
+    return Response(body)
+
+
+@get("/metrics", tags=["system"], summary="Prometheus metrics", media_type=CONTENT_TYPE)
+async def metrics(state: State) -> Response:
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@get("/engine", tags=["system"], summary="Model, KV capacity, pool usage and hit counters")
+async def engine_info(state: State) -> EngineInfo:
+    runner: EngineRunner = state.runner
+    e = runner.require_ready()
+    c = runner.counters()
+    spec = e.kv_spec
+    queries = c["prefix_cache_queries"]
+    return EngineInfo(
+        model=runner.model_name,
+        dtype=dtype_name(e.dtype),
+        kv_dtype=dtype_name(e.kv_dtype),
+        device=str(e.device),
+        block_size=spec.block_size,
+        max_model_len=e.max_model_len,
+        kv_bytes_per_token=spec.bytes_per_token,
+        kv_capacity_tokens=spec.num_tokens,
+        kv_capacity_blocks=spec.num_blocks,
+        max_concurrency=round(spec.max_concurrency, 3),
+        blocks_in_use=c["num_blocks"] - c["num_free_blocks"],
+        blocks_cached=c["kv_cache_cached_blocks"],
+        blocks_free=c["num_free_blocks"],
+        requests_running=c["num_requests_running"],
+        requests_waiting=c["num_requests_waiting"],
+        prompt_tokens_total=c["prompt_tokens"],
+        prefix_cache_queries_total=queries,
+        prefix_cache_hits_total=c["prefix_cache_hits"],
+        prompt_tokens_computed_total=c["prompt_tokens_computed"],
+        generation_tokens_total=c["generation_tokens"],
+        num_preemptions_total=c["num_preemptions"],
+        prefix_cache_hit_rate=round(c["prefix_cache_hits"] / queries, 4) if queries else 0.0,
+    )
+
+
+def create_app(settings: Settings | None = None, runner: EngineRunner | None = None) -> Litestar:
+    """The app. Migrations are not run here: ``docqa serve`` applies them before the event
+    loop starts."""
+    settings = settings or Settings.from_env()
+    service_metrics = ServiceMetrics()
+    runner = runner or EngineRunner(
+        model=settings.model,
+        dtype=settings.dtype,
+        kv_cache_gib=settings.kv_cache_gib,
+        num_threads=settings.num_threads,
+        max_waiting=settings.max_waiting_requests,
+    )
+    runner.observer = service_metrics
+    service_metrics.attach(runner)
+    db = Database(settings.database_url)
+    qa = QAService(settings, db, runner)
+    types = QuestionTypes(settings.max_tokens_cap)
+
+    def on_startup(app: Litestar) -> None:
+        if runner.state == "loading" and not runner._thread.is_alive():
+            runner.start()
+
+    async def on_shutdown(app: Litestar) -> None:
+        runner.stop()
+        await db.close()
+        client = app.state.get("redis_client")
+        if client is not None:
+            await client.aclose()
+
+    v1 = Router(
+        path="/v1",
+        route_handlers=[
+            ManualController,
+            *question_controllers(types),
+            *openai_controllers(types),
+            engine_info,
+        ],
+        guards=[auth_guard],
+        dependencies={
+            "tenant": Provide(provide_tenant, sync_to_thread=False),
+            "qa": Provide(provide_qa, sync_to_thread=False),
+        },
+        security=[{"bearer": []}],
+    )
+    openapi = OpenAPIConfig(
+        title="docqa",
+        version="0.1.0",
+        description=(
+            "Prefix-caching document Q&A. Every answer reports the prompt tokens served from "
+            "the cache (usage.cached_tokens) and the time to first token that saved."
+        ),
+        path="/schema",
+        render_plugins=[SwaggerRenderPlugin()],
+        components=Components(
+            security_schemes={
+                "bearer": SecurityScheme(
+                    type="http",
+                    scheme="bearer",
+                    description="API key (needed when DOCQA_API_KEYS is set)",
+                )
+            }
+        ),
+    )
+    return Litestar(
+        route_handlers=[health, ready, metrics, v1],
+        state=State(
+            {
+                "settings": settings,
+                "runner": runner,
+                "metrics": service_metrics,
+                "db": db,
+                "qa": qa,
+            }
+        ),
+        on_startup=[on_startup],
+        on_shutdown=[on_shutdown],
+        exception_handlers=EXCEPTION_HANDLERS,
+        openapi_config=openapi,
+        request_max_body_size=settings.max_upload_bytes + 2**20,
+        debug=False,
+    )
+
+
+__all__ = ["create_app", "error_response"]

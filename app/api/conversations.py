@@ -1,0 +1,213 @@
+"""/v1/conversations and /v1/ask: questions about a manual, answered with the answer object of
+CONTRACTS.md (JSON, or SSE with ``stream: true``)."""
+
+from litestar import Controller, Response, delete, get, post
+from litestar.params import Parameter
+from sqlalchemy import delete as sa_delete
+from sqlalchemy import func, select
+
+from app.api.errors import ApiError, not_found
+from app.api.schemas import (
+    Answer,
+    ConversationCreate,
+    ConversationDetail,
+    ConversationList,
+    ConversationOut,
+    MessageOut,
+    QuestionTypes,
+)
+from app.db import Conversation, Manual, Message
+from app.db.models import new_id
+from app.qa import EventStream, Job, QAService
+
+
+def _message_out(m: Message) -> MessageOut:
+    return MessageOut(
+        id=m.id,
+        role=m.role,
+        content=m.content,
+        created_at=m.created_at,
+        finish_reason=m.finish_reason,
+        usage=m.usage,
+        timings=m.timings,
+        warnings=list(m.warnings or []),
+    )
+
+
+def _question(text: str) -> str:
+    if not text.strip():
+        raise ApiError(400, "empty_question", "the question is empty")
+    return text
+
+
+async def _respond(qa: QAService, job: Job, stream: bool):
+    handle, task = await qa.submit(job)
+    if stream:
+        return EventStream(qa.stream(handle, task))
+    return await task
+
+
+def question_controllers(types: QuestionTypes) -> list[type[Controller]]:
+    MessageCreate = types.MessageCreate  # noqa: N806
+    AskCreate = types.AskCreate  # noqa: N806
+
+    class ConversationController(Controller):
+        path = "/conversations"
+        tags = ["conversations"]
+
+        @post("/", summary="Start a conversation about a manual")
+        async def create(
+            self, qa: QAService, tenant: str, data: ConversationCreate
+        ) -> ConversationOut:
+            await qa.get_manual(tenant, data.manual_id)
+            conv = Conversation(id=new_id("conv"), tenant=tenant, manual_id=data.manual_id)
+            async with qa.db.transaction() as s:
+                s.add(conv)
+            return ConversationOut(id=conv.id, manual_id=conv.manual_id, created_at=conv.created_at)
+
+        @get("/", summary="List conversations")
+        async def list_conversations(
+            self,
+            qa: QAService,
+            tenant: str,
+            manual_id: str | None = None,
+            limit: int = Parameter(default=100, ge=1, le=1000),
+            offset: int = Parameter(default=0, ge=0),
+        ) -> ConversationList:
+            counts = (
+                select(Message.conversation_id, func.count().label("n"))
+                .group_by(Message.conversation_id)
+                .subquery()
+            )
+            q = (
+                select(Conversation, func.coalesce(counts.c.n, 0))
+                .outerjoin(counts, counts.c.conversation_id == Conversation.id)
+                .where(Conversation.tenant == tenant)
+            )
+            if manual_id:
+                q = q.where(Conversation.manual_id == manual_id)
+            q = q.order_by(Conversation.created_at, Conversation.id).limit(limit).offset(offset)
+            async with qa.db.session() as s:
+                rows = (await s.execute(q)).all()
+            return ConversationList(
+                items=[
+                    ConversationOut(
+                        id=c.id, manual_id=c.manual_id, created_at=c.created_at, message_count=n
+                    )
+                    for c, n in rows
+                ]
+            )
+
+        @get("/{conversation_id:str}", summary="A conversation with its messages")
+        async def get_conversation(
+            self, qa: QAService, tenant: str, conversation_id: str
+        ) -> ConversationDetail:
+            async with qa.db.session() as s:
+                conv = await s.scalar(
+                    select(Conversation).where(
+                        Conversation.id == conversation_id, Conversation.tenant == tenant
+                    )
+                )
+                if conv is None:
+                    raise not_found("conversation", conversation_id)
+                msgs = list(
+                    await s.scalars(
+                        select(Message)
+                        .where(Message.conversation_id == conv.id)
+                        .order_by(Message.seq)
+                    )
+                )
+            return ConversationDetail(
+                id=conv.id,
+                manual_id=conv.manual_id,
+                created_at=conv.created_at,
+                message_count=len(msgs),
+                messages=[_message_out(m) for m in msgs],
+            )
+
+        @delete("/{conversation_id:str}", summary="Delete a conversation")
+        async def delete_conversation(
+            self, qa: QAService, tenant: str, conversation_id: str
+        ) -> None:
+            async with qa.db.transaction() as s:
+                res = await s.execute(
+                    sa_delete(Conversation).where(
+                        Conversation.id == conversation_id, Conversation.tenant == tenant
+                    )
+                )
+                if res.rowcount == 0:
+                    raise not_found("conversation", conversation_id)
+
+        @post(
+            "/{conversation_id:str}/messages",
+            status_code=200,
+            summary="Ask the next question in a conversation",
+            description=(
+                "Returns the answer object; with `stream: true`, SSE `token` events and a final "
+                "`answer` event carrying the answer object."
+            ),
+        )
+        async def ask(
+            self, qa: QAService, tenant: str, conversation_id: str, data: MessageCreate
+        ) -> Answer | Response:
+            question = _question(data.content)
+            async with qa.db.session() as s:
+                row = (
+                    await s.execute(
+                        select(Conversation, Manual)
+                        .join(Manual, Manual.id == Conversation.manual_id)
+                        .where(Conversation.id == conversation_id, Conversation.tenant == tenant)
+                    )
+                ).first()
+                if row is None:
+                    raise not_found("conversation", conversation_id)
+                conv, manual = row
+                msgs = list(
+                    await s.scalars(
+                        select(Message)
+                        .where(Message.conversation_id == conv.id)
+                        .order_by(Message.seq)
+                    )
+                )
+            qa.runner.require_ready()
+            params = qa.params(data.max_tokens, data.temperature, data.top_p, data.seed)
+            built = qa.build(manual, question, qa.history(msgs), params.max_tokens)
+            job = Job(
+                request_id=new_id("msg"),
+                prompt=built,
+                params=params,
+                namespace=qa.namespace(tenant),
+                use_cache=data.cache != "bypass",
+                question=question,
+                conversation_id=conv.id,
+                warnings=list(built.warnings),
+            )
+            return await _respond(qa, job, data.stream)
+
+    class AskController(Controller):
+        path = "/ask"
+        tags = ["questions"]
+
+        @post(
+            "/",
+            status_code=200,
+            summary="One question about a manual, without a conversation",
+        )
+        async def ask(self, qa: QAService, tenant: str, data: AskCreate) -> Answer | Response:
+            question = _question(data.question)
+            manual = await qa.get_manual(tenant, data.manual_id)
+            qa.runner.require_ready()
+            params = qa.params(data.max_tokens, data.temperature, data.top_p, data.seed)
+            built = qa.build(manual, question, (), params.max_tokens)
+            job = Job(
+                request_id=new_id("msg"),
+                prompt=built,
+                params=params,
+                namespace=qa.namespace(tenant),
+                use_cache=data.cache != "bypass",
+                question=question,
+                warnings=list(built.warnings),
+            )
+            return await _respond(qa, job, data.stream)
+
+    return [ConversationController, AskController]

@@ -1,0 +1,161 @@
+"""Error bodies (CONTRACTS.md, "Errors"): ``{"error": {"code", "message", "limit"}}``, for every
+4xx and 5xx, with no traceback ever reaching the client."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from litestar import Request, Response
+from litestar.exceptions import HTTPException, ValidationException
+from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
+
+from app.engine_runner import EngineFailure, EngineNotReady, EngineSaturated
+from app.manual_text import ManualError, UnsupportedManualType
+from inference.errors import DocqaError, PromptTooLongError
+
+log = logging.getLogger("docqa.api")
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        limit: int | float | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.limit = limit
+        self.headers = headers or {}
+
+
+def not_found(kind: str, id_: str) -> ApiError:
+    return ApiError(404, f"{kind}_not_found", f"no {kind} with id {id_!r}")
+
+
+def error_response(
+    status: int,
+    code: str,
+    message: str,
+    limit: int | float | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    body: dict = {"code": code, "message": message}
+    if limit is not None:
+        body["limit"] = limit
+    return Response({"error": body}, status_code=status, headers=headers or {})
+
+
+def _api_error(_req: Request, exc: ApiError) -> Response:
+    return error_response(exc.status, exc.code, exc.message, exc.limit, exc.headers)
+
+
+_LIMIT_RE = re.compile(r"[<>]=? ?(-?[0-9.]+)|length (?:<|>)= (\d+)")
+
+
+def _validation(_req: Request, exc: ValidationException) -> Response:
+    extra = exc.extra if isinstance(exc.extra, list) else []
+    parts, limit = [], None
+    for item in extra:
+        if not isinstance(item, dict):
+            continue
+        key, msg = item.get("key"), item.get("message", "")
+        parts.append(f"{key}: {msg}" if key else msg)
+        m = _LIMIT_RE.search(msg)
+        if m and limit is None:
+            num = m.group(1) or m.group(2)
+            limit = float(num) if "." in num else int(num)
+    message = "; ".join(parts) or _clean_detail(exc.detail)
+    if "JSON is malformed" in message or "malformed" in message.lower():
+        return error_response(
+            400, "malformed_json", f"the request body is not valid JSON: {message}"
+        )
+    return error_response(400, "invalid_request", message, limit)
+
+
+def _clean_detail(detail: str) -> str:
+    return detail or "the request is invalid"
+
+
+def _http(request: Request, exc: HTTPException) -> Response:
+    status = exc.status_code
+    headers = dict(exc.headers or {})
+    if status == 413:
+        limit = request.app.state.settings.max_upload_bytes
+        return error_response(
+            413,
+            "request_too_large",
+            f"the request body is larger than the limit of {limit:,} bytes",
+            limit,
+        )
+    if status == 404:
+        return error_response(404, "not_found", f"no route for {request.method} {request.url.path}")
+    if status == 405:
+        return error_response(
+            405, "method_not_allowed", f"{request.method} is not allowed on {request.url.path}"
+        )
+    if status >= 500:
+        log.error("HTTP %s on %s: %s", status, request.url.path, exc.detail)
+        return error_response(status, "internal_error", "internal error; see the server log")
+    detail = exc.detail or "bad request"
+    if "JSON is malformed" in detail:
+        msg = f"the request body is not valid JSON: {detail}"
+        return error_response(400, "malformed_json", msg)
+    return error_response(status, "bad_request", detail, headers=headers)
+
+
+def _docqa(_req: Request, exc: DocqaError) -> Response:
+    if isinstance(exc, EngineNotReady):
+        return error_response(503, exc.code, str(exc), headers={"Retry-After": "5"})
+    if isinstance(exc, EngineSaturated):
+        return error_response(503, exc.code, str(exc), headers={"Retry-After": "1"})
+    if isinstance(exc, UnsupportedManualType):
+        return error_response(415, exc.code, str(exc))
+    if isinstance(exc, ManualError):
+        return error_response(400, "invalid_manual", str(exc))
+    if isinstance(exc, PromptTooLongError):
+        return error_response(400, exc.code, str(exc), exc.limit)
+    limit = getattr(exc, "limit", None)
+    return error_response(400, exc.code, str(exc), limit)
+
+
+def _database(_req: Request, exc: Exception) -> Response:
+    if isinstance(exc, IntegrityError):
+        log.warning("conflict: %s", exc)
+        return error_response(409, "conflict", "the change conflicts with stored data; retry")
+    log.error("database error: %s", exc)
+    return error_response(
+        503,
+        "database_unavailable",
+        "the database is unavailable; retry shortly",
+        headers={"Retry-After": "5"},
+    )
+
+
+def _engine_failure(_req: Request, exc: EngineFailure) -> Response:
+    return error_response(500, "engine_error", str(exc))
+
+
+def _internal(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, ConnectionRefusedError | TimeoutError):
+        return _database(request, exc)
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, "internal_error", "internal error; see the server log")
+
+
+EXCEPTION_HANDLERS = {
+    ApiError: _api_error,
+    ValidationException: _validation,
+    HTTPException: _http,
+    DocqaError: _docqa,
+    OperationalError: _database,
+    InterfaceError: _database,
+    DBAPIError: _database,
+    EngineFailure: _engine_failure,
+    Exception: _internal,
+}

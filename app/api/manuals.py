@@ -1,0 +1,174 @@
+"""/v1/manuals: upload (multipart file or JSON), list, read, delete, warm."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+from litestar import Controller, Request, Response, delete, get, post
+from litestar.datastructures import UploadFile
+from litestar.openapi.spec import (
+    OpenAPIFormat,
+    OpenAPIMediaType,
+    OpenAPIType,
+    Operation,
+    RequestBody,
+    Schema,
+)
+from litestar.params import Parameter
+from sqlalchemy import delete as sa_delete
+from sqlalchemy import select
+
+from app.api.errors import ApiError, not_found
+from app.api.schemas import ManualCreate, ManualDetail, ManualList, ManualOut, WarmOut
+from app.db import Manual
+from app.manual_text import extract_manual_text, manual_kind
+from app.qa import QAService
+
+
+@dataclass
+class _UploadOperation(Operation):
+    """The upload takes multipart ``file`` (+ optional ``title``) or JSON ``{title, text}``."""
+
+    def __post_init__(self):
+        text = Schema(type=OpenAPIType.STRING)
+        self.request_body = RequestBody(
+            required=True,
+            content={
+                "multipart/form-data": OpenAPIMediaType(
+                    schema=Schema(
+                        type=OpenAPIType.OBJECT,
+                        properties={
+                            "file": Schema(
+                                type=OpenAPIType.STRING,
+                                format=OpenAPIFormat.BINARY,
+                                description="txt, md, html or pdf",
+                            ),
+                            "title": text,
+                        },
+                        required=["file"],
+                    )
+                ),
+                "application/json": OpenAPIMediaType(
+                    schema=Schema(
+                        type=OpenAPIType.OBJECT,
+                        properties={"title": text, "text": text},
+                        required=["title", "text"],
+                    )
+                ),
+            },
+        )
+
+
+def manual_out(m: Manual, detail: bool = False) -> ManualOut:
+    fields = dict(
+        id=m.id,
+        title=m.title,
+        tokens=m.token_count,
+        sha256=m.sha256,
+        source_type=m.source_type,
+        created_at=m.created_at,
+    )
+    return ManualDetail(**fields, text=m.content) if detail else ManualOut(**fields)
+
+
+class ManualController(Controller):
+    path = "/manuals"
+    tags = ["manuals"]
+
+    @post(
+        "/",
+        operation_class=_UploadOperation,
+        status_code=201,
+        summary="Upload a manual",
+        description=(
+            "Multipart `file` (txt, md, html, pdf) or JSON `{title, text}`. 201 with the new "
+            "manual; 200 with the stored one when this tenant already uploaded the same text."
+        ),
+    )
+    async def create(self, request: Request, qa: QAService, tenant: str) -> Response[ManualOut]:
+        settings = qa.settings
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype == "multipart/form-data":
+            form = await request.form()
+            upload = form.get("file")
+            if not isinstance(upload, UploadFile):
+                raise ApiError(400, "invalid_request", "the multipart body needs a 'file' part")
+            data = await upload.read()
+            await upload.close()
+            name = upload.filename or "upload"
+            if len(data) > settings.max_upload_bytes:
+                raise ApiError(
+                    413,
+                    "file_too_large",
+                    f"{name} is {len(data):,} bytes; the limit is {settings.max_upload_bytes:,}",
+                    settings.max_upload_bytes,
+                )
+            kind = manual_kind(name, upload.content_type)
+            text = extract_manual_text(data, kind, name)
+            title = str(form.get("title") or Path(name).stem or "untitled")
+        elif ctype == "application/json":
+            raw = await request.body()
+            try:
+                body = msgspec.json.decode(raw, type=ManualCreate)
+            except msgspec.ValidationError as e:
+                raise ApiError(400, "invalid_request", f"invalid manual: {e}") from None
+            except msgspec.DecodeError as e:
+                raise ApiError(400, "malformed_json", f"the body is not valid JSON: {e}") from None
+            size = len(body.text.encode("utf-8"))
+            if size > settings.max_upload_bytes:
+                raise ApiError(
+                    413,
+                    "file_too_large",
+                    f"the text is {size:,} bytes; the limit is {settings.max_upload_bytes:,}",
+                    settings.max_upload_bytes,
+                )
+            if "\x00" in body.text:
+                raise ApiError(400, "invalid_manual", "the text contains NUL characters")
+            text, title, kind = body.text, body.title, "json"
+        else:
+            raise ApiError(
+                415,
+                "unsupported_media_type",
+                f"send multipart/form-data with a 'file' part or application/json; got "
+                f"{ctype or 'no content type'}",
+            )
+        manual, created = await qa.create_manual(tenant, title, text, kind)
+        return Response(manual_out(manual), status_code=201 if created else 200)
+
+    @get("/", summary="List manuals")
+    async def list_manuals(
+        self,
+        qa: QAService,
+        tenant: str,
+        limit: int = Parameter(default=100, ge=1, le=1000),
+        offset: int = Parameter(default=0, ge=0),
+    ) -> ManualList:
+        async with qa.db.session() as s:
+            rows = await s.scalars(
+                select(Manual)
+                .where(Manual.tenant == tenant)
+                .order_by(Manual.created_at, Manual.id)
+                .limit(limit)
+                .offset(offset)
+            )
+            return ManualList(items=[manual_out(m) for m in rows])
+
+    @get("/{manual_id:str}", summary="Read a manual, its text included")
+    async def get_manual(self, qa: QAService, tenant: str, manual_id: str) -> ManualDetail:
+        return manual_out(await qa.get_manual(tenant, manual_id), detail=True)
+
+    @delete("/{manual_id:str}", summary="Delete a manual and its conversations")
+    async def delete_manual(self, qa: QAService, tenant: str, manual_id: str) -> None:
+        async with qa.db.transaction() as s:
+            res = await s.execute(
+                sa_delete(Manual).where(Manual.id == manual_id, Manual.tenant == tenant)
+            )
+            if res.rowcount == 0:
+                raise not_found("manual", manual_id)
+
+    @post("/{manual_id:str}/warm", status_code=200, summary="Prefill the manual into the cache")
+    async def warm(self, qa: QAService, tenant: str, manual_id: str) -> WarmOut:
+        manual = await qa.get_manual(tenant, manual_id)
+        return WarmOut(**(await qa.warm(tenant, manual)))

@@ -1,0 +1,202 @@
+"""OpenAI-compatible ``GET /v1/models`` and ``POST /v1/chat/completions``.
+
+With ``manual_id`` (an extra body field) the stored manual is laid out as the system prefix
+exactly as the native endpoints do, earlier user/assistant messages become the conversation,
+and the last user message is the question. ``usage.prompt_tokens_details.cached_tokens`` is
+always present; ``timings`` sits beside ``usage``.
+"""
+
+import time
+import uuid
+
+import msgspec
+from litestar import Controller, Response, get, post
+
+from app.api.errors import ApiError
+from app.api.schemas import ChatMessage, ModelCard, ModelList, QuestionTypes
+from app.qa import EventStream, IncrementalDecoder, Job, QAService, sse
+from prompts import BuiltPrompt, Turn
+
+_FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
+
+
+def _text(m: ChatMessage) -> str:
+    if m.content is None:
+        return ""
+    if isinstance(m.content, str):
+        return m.content
+    parts = []
+    for p in m.content:
+        if p.type != "text":
+            raise ApiError(
+                400,
+                "unsupported_content",
+                f"content parts of type {p.type!r} are not supported; send text",
+            )
+        parts.append(p.text or "")
+    return "".join(parts)
+
+
+def openai_controllers(types: QuestionTypes) -> list[type[Controller]]:
+    ChatCompletionCreate = types.ChatCompletionCreate  # noqa: N806
+
+    class OpenAIController(Controller):
+        path = "/"
+        tags = ["openai"]
+
+        @get("/models", summary="Models served (OpenAI shape)")
+        async def models(self, qa: QAService) -> ModelList:
+            qa.runner.require_ready()
+            return ModelList(
+                data=[ModelCard(id=qa.runner.model_name, created=int(qa.runner.started_at))]
+            )
+
+        @post("/chat/completions", status_code=200, summary="Chat completion (OpenAI shape)")
+        async def chat(self, qa: QAService, tenant: str, data: ChatCompletionCreate) -> Response:
+            runner = qa.runner
+            runner.require_ready()
+            if data.model and data.model != runner.model_name:
+                raise ApiError(
+                    404,
+                    "model_not_found",
+                    f"model {data.model!r} is not served here; this server serves "
+                    f"{runner.model_name!r} (GET /v1/models)",
+                )
+            max_tokens = data.max_completion_tokens or data.max_tokens
+            params = qa.params(max_tokens, data.temperature, data.top_p, data.seed)
+            msgs = [
+                (("system" if m.role == "developer" else m.role), _text(m)) for m in data.messages
+            ]
+            if msgs[-1][0] != "user" or not msgs[-1][1].strip():
+                raise ApiError(
+                    400, "invalid_request", "the last message must be a non-empty user message"
+                )
+            warnings: list[str] = []
+            if data.manual_id:
+                manual = await qa.get_manual(tenant, data.manual_id)
+                if any(r == "system" for r, _ in msgs):
+                    warnings.append(
+                        "system messages are ignored with manual_id: "
+                        "the manual's system prefix is used"
+                    )
+                turns, pending = [], None
+                eot = runner.builder.end_of_turn_id()
+                tok = runner.engine.tokenizer
+                for role, text in msgs[:-1]:
+                    if role == "user":
+                        pending = text
+                    elif role == "assistant" and pending is not None:
+                        turns.append(Turn(pending, tok.encode(text.strip()) + [eot]))
+                        pending = None
+                built = qa.build(manual, msgs[-1][1], turns, params.max_tokens)
+                warnings += built.warnings
+            else:
+                ids = runner.builder.chat_ids(msgs)
+                limit = runner.engine.max_model_len
+                if len(ids) + params.max_tokens > limit:
+                    raise ApiError(
+                        400,
+                        "prompt_too_long",
+                        f"the messages are {len(ids):,} tokens plus max_tokens "
+                        f"{params.max_tokens:,}; "
+                        f"this model's context is {limit:,} tokens",
+                        limit,
+                    )
+                built = BuiltPrompt(ids, 0, 0, 0)
+            job = Job(
+                request_id=f"chatcmpl-{uuid.uuid4().hex}",
+                prompt=built,
+                params=params,
+                namespace=qa.namespace(tenant),
+                use_cache=data.cache != "bypass",
+                question=msgs[-1][1],
+                warnings=warnings,
+            )
+            handle, task = await qa.submit(job)
+            created = int(time.time())
+            model = runner.model_name
+            if not data.stream:
+                a = await task
+                body = {
+                    "id": job.request_id,
+                    "object": "chat.completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": a.answer},
+                            "finish_reason": _FINISH.get(a.finish_reason, "stop"),
+                        }
+                    ],
+                    "usage": _usage(a),
+                    "timings": msgspec.to_builtins(a.timings),
+                    "warnings": a.warnings,
+                }
+                return Response(body)
+            include_usage = bool(data.stream_options and data.stream_options.include_usage)
+
+            async def chunks():
+                def chunk(delta, finish=None, **extra):
+                    c = {
+                        "id": job.request_id,
+                        "object": "chat.completion.chunk",
+                        "created": created,
+                        "model": model,
+                        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                    }
+                    c.update(extra)
+                    return sse(None, c)
+
+                decoder = IncrementalDecoder(runner.engine.tokenizer)
+                try:
+                    yield chunk({"role": "assistant", "content": ""})
+                    while True:
+                        ids = await handle.tokens.get()
+                        if ids is None:
+                            break
+                        delta = decoder.push(ids)
+                        if delta:
+                            yield chunk({"content": delta})
+                    try:
+                        a = await task
+                    except Exception as e:
+                        yield sse(None, {"error": {"code": "engine_error", "message": str(e)}})
+                        return
+                    yield chunk(
+                        {},
+                        _FINISH.get(a.finish_reason, "stop"),
+                        timings=msgspec.to_builtins(a.timings),
+                    )
+                    if include_usage:
+                        yield sse(
+                            None,
+                            {
+                                "id": job.request_id,
+                                "object": "chat.completion.chunk",
+                                "created": created,
+                                "model": model,
+                                "choices": [],
+                                "usage": _usage(a),
+                                "timings": msgspec.to_builtins(a.timings),
+                            },
+                        )
+                    yield b"data: [DONE]\n\n"
+                finally:
+                    if not handle.final.done():
+                        handle.cancel()
+
+            return EventStream(chunks())
+
+    return [OpenAIController]
+
+
+def _usage(a) -> dict:
+    u = a.usage
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "cached_tokens_by_tier": u.cached_tokens_by_tier,
+    }

@@ -1,0 +1,209 @@
+"""Request and response bodies (msgspec structs). Bounds that depend on configuration (the
+``max_tokens`` cap) are declared in the schema by building the question bodies per app."""
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+MAX_TITLE_CHARS = 512
+MAX_QUESTION_CHARS = 20_000
+
+CacheMode = Literal["default", "bypass"]
+
+
+# -- manuals -------------------------------------------------------------------------------------
+class ManualCreate(Struct, forbid_unknown_fields=True):
+    """A manual as JSON (the alternative to a multipart ``file`` upload)."""
+
+    title: Annotated[str, Meta(min_length=1, max_length=MAX_TITLE_CHARS)]
+    text: Annotated[str, Meta(min_length=1)]
+
+
+class ManualOut(Struct):
+    id: str
+    title: str
+    tokens: Annotated[int, Meta(description="tokens of the manual's text")]
+    sha256: Annotated[str, Meta(description="sha256 of the manual's extracted text")]
+    source_type: str
+    created_at: datetime
+
+
+class ManualDetail(ManualOut):
+    text: str = ""
+
+
+class ManualList(Struct):
+    items: list[ManualOut]
+
+
+class WarmOut(Struct):
+    manual_id: str
+    prompt_tokens: Annotated[int, Meta(description="system instructions + manual")]
+    cached_tokens: Annotated[int, Meta(description="of those, tokens now in the cache")]
+    computed_tokens: Annotated[int, Meta(description="tokens computed by this call")]
+    elapsed_ms: float
+
+
+# -- conversations -------------------------------------------------------------------------------
+class ConversationCreate(Struct, forbid_unknown_fields=True):
+    manual_id: str
+
+
+class MessageOut(Struct):
+    id: str
+    role: str
+    content: str
+    created_at: datetime
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    timings: dict[str, float] | None = None
+    warnings: list[str] = msgspec.field(default_factory=list)
+
+
+class ConversationOut(Struct):
+    id: str
+    manual_id: str
+    created_at: datetime
+    message_count: int = 0
+
+
+class ConversationDetail(ConversationOut):
+    messages: list[MessageOut] = msgspec.field(default_factory=list)
+
+
+class ConversationList(Struct):
+    items: list[ConversationOut]
+
+
+# -- answers (CONTRACTS.md, "The answer object") --------------------------------------------
+class Usage(Struct):
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    cached_tokens_by_tier: dict[str, int]
+
+
+class Timings(Struct):
+    queue_ms: float
+    ttft_ms: float
+    prefill_ms: float
+    decode_ms: float
+    tpot_ms: float
+    e2e_ms: float
+    ttft_saved_ms: float
+
+
+class Answer(Struct):
+    id: str
+    conversation_id: str | None
+    answer: str
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+    warnings: list[str]
+
+
+# -- engine ----------------------------------------------------------------------------------------
+class EngineInfo(Struct):
+    model: str
+    dtype: str
+    kv_dtype: str
+    device: str
+    block_size: int
+    max_model_len: int
+    kv_bytes_per_token: int
+    kv_capacity_tokens: int
+    kv_capacity_blocks: int
+    max_concurrency: Annotated[
+        float, Meta(description="sequences of max_model_len tokens the KV pool holds at once")
+    ]
+    blocks_in_use: int
+    blocks_cached: int
+    blocks_free: int
+    requests_running: int
+    requests_waiting: int
+    prompt_tokens_total: int
+    prefix_cache_queries_total: int
+    prefix_cache_hits_total: int
+    prompt_tokens_computed_total: int
+    generation_tokens_total: int
+    num_preemptions_total: int
+    prefix_cache_hit_rate: float
+
+
+# -- OpenAI-compatible ---------------------------------------------------------------------------
+class ContentPart(Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+
+
+class StreamOptions(Struct):
+    include_usage: bool = False
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    object: str = "model"
+    owned_by: str = "docqa"
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class QuestionTypes:
+    """The bodies that carry ``max_tokens``, with the configured cap in their schema."""
+
+    def __init__(self, cap: int):
+        MaxTokens = Annotated[  # noqa: N806
+            int, Meta(ge=1, le=cap, description=f"answer length in tokens, at most {cap}")
+        ]
+        Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]  # noqa: N806
+        TopP = Annotated[float, Meta(gt=0.0, le=1.0)]  # noqa: N806
+        Question = Annotated[str, Meta(min_length=1, max_length=MAX_QUESTION_CHARS)]  # noqa: N806
+
+        class MessageCreate(Struct, forbid_unknown_fields=True):
+            content: Question
+            stream: bool = False
+            max_tokens: MaxTokens | None = None
+            temperature: Temperature = 0.0
+            top_p: TopP = 1.0
+            seed: int | None = None
+            cache: CacheMode = "default"
+
+        class AskCreate(Struct, forbid_unknown_fields=True):
+            manual_id: str
+            question: Question
+            stream: bool = False
+            max_tokens: MaxTokens | None = None
+            temperature: Temperature = 0.0
+            top_p: TopP = 1.0
+            seed: int | None = None
+            cache: CacheMode = "default"
+
+        class ChatCompletionCreate(Struct):
+            messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+            model: str | None = None
+            max_tokens: MaxTokens | None = None
+            max_completion_tokens: MaxTokens | None = None
+            temperature: Temperature = 1.0
+            top_p: TopP = 1.0
+            seed: int | None = None
+            n: Annotated[int, Meta(ge=1, le=1)] = 1
+            stream: bool = False
+            stream_options: StreamOptions | None = None
+            manual_id: str | None = None
+            cache: CacheMode = "default"
+
+        self.MessageCreate = MessageCreate
+        self.AskCreate = AskCreate
+        self.ChatCompletionCreate = ChatCompletionCreate

@@ -1,0 +1,319 @@
+"""The engine behind an async interface: one thread owns the ``LLMEngine`` and steps it; the
+event loop submits requests and receives tokens through thread-safe hand-offs, so it never
+blocks on model work. Concurrent HTTP requests queue in the engine's scheduler and share its
+batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from inference.engine import EngineConfig, LLMEngine
+from inference.errors import DocqaError
+from inference.llm import resolve_model
+from inference.metrics import RequestMetrics
+from inference.sampling import SamplingParams
+from inference.sequence import Request
+from prompts import PromptBuilder
+
+log = logging.getLogger("docqa.runner")
+
+
+class EngineNotReady(DocqaError):
+    code = "not_ready"
+
+
+class EngineSaturated(DocqaError):
+    code = "engine_saturated"
+
+
+class EngineFailure(RuntimeError):
+    """A step of the engine raised; the requests in flight were aborted."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    finish_reason: str  # stop | length | cancelled
+    num_cached_tokens: int
+    metrics: RequestMetrics
+
+
+class RequestHandle:
+    """The caller's side of one engine request: new token ids arrive on ``tokens`` (a list per
+    step, ``None`` at the end); ``final`` resolves to the ``Completion``."""
+
+    def __init__(self, runner: EngineRunner, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.runner = runner
+        self.request_id = request_id
+        self.loop = loop
+        self.tokens: asyncio.Queue[list[int] | None] = asyncio.Queue()
+        self.final: asyncio.Future[Completion] = loop.create_future()
+        # engine-thread bookkeeping
+        self._sent = 0
+        self._last_token_at: float | None = None
+
+    def cancel(self) -> None:
+        """Stop generating and free the request's blocks; ``final`` resolves with finish
+        reason ``cancelled`` and the tokens produced so far."""
+        if not self.final.done():
+            self.runner._post(lambda: self.runner._abort(self.request_id))
+
+    # called on the event loop
+    def _push(self, ids: list[int]) -> None:
+        self.tokens.put_nowait(ids)
+
+    def _finish(self, result: Completion | BaseException) -> None:
+        self.tokens.put_nowait(None)
+        if self.final.done():
+            return
+        if isinstance(result, BaseException):
+            self.final.set_exception(result)
+        else:
+            self.final.set_result(result)
+
+
+class EngineRunner:
+    """Loads the model in its own thread (``state``: loading -> ready | failed), then runs the
+    step loop there until ``stop``."""
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        dtype: str = "auto",
+        kv_cache_gib: float | None = None,
+        num_threads: int | None = None,
+        max_waiting: int = 256,
+        observer: Any = None,  # ServiceMetrics, or None
+    ):
+        self._model = model
+        self._engine_kwargs = dict(dtype=dtype, kv_cache_gib=kv_cache_gib, num_threads=num_threads)
+        self.max_waiting = max_waiting
+        self.observer = observer
+        self.state = "loading"
+        self.error: str | None = None
+        self.engine: LLMEngine | None = None
+        self.builder: PromptBuilder | None = None
+        self.model_name: str | None = None
+        self.started_at = time.time()
+        self._cv = threading.Condition()
+        self._cmds: list[Callable[[], None]] = []
+        self._stopping = False
+        self._active: dict[str, tuple[Request, RequestHandle]] = {}
+        self._thread = threading.Thread(target=self._main, name="docqa-engine", daemon=True)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    def _main(self) -> None:
+        try:
+            t0 = time.perf_counter()
+            model_dir = resolve_model(self._model)
+            engine = LLMEngine(EngineConfig(model_dir=model_dir, **self._engine_kwargs))
+            self.builder = PromptBuilder(engine.tokenizer)
+            self.model_name = model_dir.name
+            self.engine = engine
+            self.state = "ready"
+            log.info("engine ready in %.1f s", time.perf_counter() - t0)
+        except BaseException as e:  # report, never crash the server
+            self.state = "failed"
+            self.error = str(e) or type(e).__name__
+            log.exception("engine failed to start")
+            return
+        self._loop()
+
+    def _loop(self) -> None:
+        engine = self.engine
+        assert engine is not None
+        while True:
+            with self._cv:
+                while not self._cmds and not self._stopping and not engine.has_unfinished():
+                    self._cv.wait()
+                if self._stopping:
+                    break
+                cmds, self._cmds = self._cmds, []
+            for cmd in cmds:
+                cmd()
+            if not engine.has_unfinished():
+                continue
+            try:
+                finished = engine.step()
+            except Exception as e:
+                log.exception("engine step failed; aborting the requests in flight")
+                self._fail_all(EngineFailure(f"the engine failed: {e}"))
+                continue
+            self._publish(finished)
+        self._fail_all(EngineNotReady("the server is shutting down"))
+
+    # -- engine thread ---------------------------------------------------------------------------
+    def _post(self, cmd: Callable[[], None]) -> None:
+        with self._cv:
+            self._cmds.append(cmd)
+            self._cv.notify()
+
+    def _publish(self, finished: list[Request]) -> None:
+        now = time.perf_counter()
+        obs = self.observer
+        for req, handle in list(self._active.values()):
+            n = len(req.output_token_ids)
+            if n > handle._sent:
+                new = req.output_token_ids[handle._sent : n]
+                if obs is not None and handle._last_token_at is not None:
+                    gap = (now - handle._last_token_at) / len(new)
+                    for _ in new:
+                        obs.observe_inter_token(gap)
+                handle._last_token_at = now
+                handle._sent = n
+                handle.loop.call_soon_threadsafe(handle._push, new)
+        for req in finished:
+            self._complete(req, req.finish_reason or "stop")
+
+    def _complete(self, req: Request, reason: str) -> None:
+        engine = self.engine
+        entry = self._active.pop(req.request_id, None)
+        if req.times.finished is None:
+            req.times.finished = time.perf_counter()
+        metrics = engine.request_metrics(req)
+        engine.release(req)
+        if entry is None:
+            return
+        handle = entry[1]
+        if self.observer is not None:
+            self.observer.observe_request(
+                metrics,
+                started=req.times.first_scheduled is not None,
+                got_first_token=req.times.first_token is not None,
+            )
+        result = Completion(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=list(req.output_token_ids),
+            finish_reason=reason,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            metrics=metrics,
+        )
+        handle.loop.call_soon_threadsafe(handle._finish, result)
+
+    def _abort(self, request_id: str) -> None:
+        entry = self._active.get(request_id)
+        if entry is None:
+            return
+        req = entry[0]
+        self.engine.abort(request_id)
+        # tokens produced since the last publish still reach the caller
+        if len(req.output_token_ids) > entry[1]._sent:
+            entry[1].loop.call_soon_threadsafe(
+                entry[1]._push, req.output_token_ids[entry[1]._sent :]
+            )
+            entry[1]._sent = len(req.output_token_ids)
+        self._complete(req, "cancelled")
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for rid, (_req, handle) in list(self._active.items()):
+            self._active.pop(rid, None)
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                log.exception("aborting %s failed", rid)
+            handle.loop.call_soon_threadsafe(handle._finish, exc)
+
+    # -- event loop side -------------------------------------------------------------------------
+    def require_ready(self) -> LLMEngine:
+        if self.state == "failed":
+            raise EngineNotReady(f"the model failed to load: {self.error}")
+        if self.state != "ready" or self.engine is None:
+            raise EngineNotReady("the model is still loading; retry shortly")
+        return self.engine
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        engine = self.require_ready()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def cmd():
+            try:
+                fut.set_result(fn(engine))
+            except BaseException as e:
+                fut.set_exception(e)
+
+        self._post(cmd)
+        return await asyncio.wrap_future(fut)
+
+    async def submit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str,
+        namespace: bytes = b"",
+        use_cache: bool = True,
+    ) -> RequestHandle:
+        """Queue a request; errors about the prompt (too long, too large for the pool) are
+        raised here, before anything runs."""
+        engine = self.require_ready()
+        if len(engine.scheduler.waiting) >= self.max_waiting:
+            raise EngineSaturated(
+                f"{len(engine.scheduler.waiting)} requests are waiting for the engine "
+                f"(limit {self.max_waiting}); retry shortly"
+            )
+        handle = RequestHandle(self, request_id, asyncio.get_running_loop())
+
+        def add(e: LLMEngine):
+            req = e.add_request(
+                prompt_token_ids,
+                params,
+                request_id=request_id,
+                namespace=namespace,
+                use_cache=use_cache,
+            )
+            self._active[request_id] = (req, handle)
+
+        await self.call(add)
+        return handle
+
+    # -- reporting -----------------------------------------------------------------------------
+    def counters(self) -> dict[str, float]:
+        """Engine counters for /metrics and /v1/engine (read without stopping the engine)."""
+        e = self.engine
+        if e is None:
+            return {}
+        s = e.scheduler
+        kv = e.kv_manager
+        return {
+            "prompt_tokens": s.num_prompt_tokens_admitted,
+            "prefix_cache_queries": s.num_prefix_queries,
+            "prefix_cache_hits": s.num_prefix_hits,
+            "prefix_cache_hits_redis": 0,
+            "prompt_tokens_computed": e.prompt_tokens_computed,
+            "generation_tokens": e.generation_tokens,
+            "num_preemptions": s.num_preemptions,
+            "kv_cache_usage_perc": kv.usage(),
+            "kv_cache_cached_blocks": kv.pool.num_cached_free,
+            "num_blocks": kv.pool.num_blocks,
+            "num_free_blocks": kv.pool.num_free,
+            "num_requests_running": len(s.running),
+            "num_requests_waiting": len(s.waiting),
+            "num_steps": e.num_steps,
+        }

@@ -1,0 +1,117 @@
+"""Prometheus metrics (CONTRACTS.md, "Metrics"): request histograms observed by the engine
+thread, engine counters and gauges read at scrape time."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from inference.metrics import RequestMetrics
+
+_LATENCY_BUCKETS = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+)  # fmt: skip
+_ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _EngineCollector:
+    def __init__(self, runner):
+        self.runner = runner
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        c = self.runner.counters() if self.runner is not None else {}
+
+        def counter(name, doc, key, labels=None):
+            if labels:
+                m = CounterMetricFamily(name, doc, labels=list(labels))
+                for values, k in key:
+                    m.add_metric(values, c.get(k, 0))
+                return m
+            return CounterMetricFamily(name, doc, value=c.get(key, 0))
+
+        def gauge(name, doc, key):
+            return GaugeMetricFamily(name, doc, value=c.get(key, 0))
+
+        yield counter("docqa:prompt_tokens", "Prompt tokens of admitted requests", "prompt_tokens")
+        yield counter(
+            "docqa:prefix_cache_queries", "Prompt tokens looked up", "prefix_cache_queries"
+        )
+        yield counter(
+            "docqa:prefix_cache_hits",
+            "Looked-up prompt tokens served from the cache",
+            [(["device"], "prefix_cache_hits"), (["redis"], "prefix_cache_hits_redis")],
+            labels=["tier"],
+        )
+        yield counter(
+            "docqa:prompt_tokens_computed",
+            "Prompt tokens run through the model (recompute included)",
+            "prompt_tokens_computed",
+        )
+        yield counter("docqa:generation_tokens", "Output tokens", "generation_tokens")
+        yield counter("docqa:num_preemptions", "Requests preempted", "num_preemptions")
+        yield gauge(
+            "docqa:kv_cache_usage_perc",
+            "Fraction of KV blocks referenced by running requests",
+            "kv_cache_usage_perc",
+        )
+        yield gauge(
+            "docqa:kv_cache_cached_blocks",
+            "Free KV blocks still holding a prefix hash",
+            "kv_cache_cached_blocks",
+        )
+        yield gauge("docqa:num_requests_running", "Requests running", "num_requests_running")
+        yield gauge("docqa:num_requests_waiting", "Requests waiting", "num_requests_waiting")
+
+
+class ServiceMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.ttft = Histogram(
+            "docqa:time_to_first_token_seconds",
+            "Arrival to first output token",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "docqa:inter_token_latency_seconds",
+            "Time per output token after the first",
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue = Histogram(
+            "docqa:request_queue_time_seconds",
+            "Arrival to first scheduled",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "docqa:e2e_request_latency_seconds",
+            "Arrival to finish",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._collector: _EngineCollector | None = None
+
+    def attach(self, runner) -> None:
+        self._collector = _EngineCollector(runner)
+        self.registry.register(self._collector)
+
+    # called from the engine thread
+    def observe_inter_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def observe_request(self, m: RequestMetrics, started: bool, got_first_token: bool) -> None:
+        if not started:
+            return
+        self.queue.observe(m.queue_ms / 1000)
+        if got_first_token:
+            self.ttft.observe(m.ttft_ms / 1000)
+        self.e2e.observe(m.e2e_ms / 1000)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

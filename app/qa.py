@@ -1,0 +1,355 @@
+"""Questions about manuals: prompt layout from stored ids, generation on the engine thread,
+answer objects, and storage of each turn. No database session stays open while the model
+generates: reads happen before submission, the turn is written after the answer is complete
+(or cancelled)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+from litestar.response import Stream
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+
+from app.api.errors import ApiError, not_found
+from app.api.schemas import Answer, Timings, Usage
+from app.db import Conversation, Database, Manual, Message
+from app.db.models import new_id
+from app.engine_runner import Completion, EngineRunner, RequestHandle
+from app.settings import MIN_QUESTION_ROOM, Settings
+from inference.sampling import SamplingParams
+from prompts import BuiltPrompt, PromptLayoutTooLong, Turn
+
+log = logging.getLogger("docqa.qa")
+
+DEFAULT_TENANT = "default"
+
+
+@dataclass
+class Job:
+    """One question on its way through the engine."""
+
+    request_id: str
+    prompt: BuiltPrompt
+    params: SamplingParams
+    namespace: bytes
+    use_cache: bool
+    question: str = ""
+    conversation_id: str | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+class IncrementalDecoder:
+    """Text deltas of a growing list of token ids; holds back an incomplete UTF-8 sequence."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, ids: Sequence[int]) -> str:
+        self.ids.extend(ids)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        delta = text[len(self.text) :] if text.startswith(self.text) else ""
+        self.text = text
+        return delta
+
+
+def sse(event: str | None, data) -> bytes:
+    payload = data if isinstance(data, bytes) else msgspec.json.encode(data)
+    head = f"event: {event}\n".encode() if event else b""
+    return head + b"data: " + payload + b"\n\n"
+
+
+class QAService:
+    def __init__(self, settings: Settings, db: Database, runner: EngineRunner):
+        self.settings = settings
+        self.db = db
+        self.runner = runner
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- tenants and manuals ---------------------------------------------------------------------
+    def namespace(self, tenant: str) -> bytes:
+        """The cache namespace: the tenant's when auth is on, empty when it is off."""
+        return tenant.encode() if self.settings.auth_enabled else b""
+
+    @property
+    def tokenizer_fingerprint(self) -> str:
+        return self.runner.engine.tokenizer.fingerprint.hex()
+
+    async def get_manual(self, tenant: str, manual_id: str) -> Manual:
+        async with self.db.session() as s:
+            m = await s.scalar(
+                select(Manual).where(Manual.id == manual_id, Manual.tenant == tenant)
+            )
+        if m is None:
+            raise not_found("manual", manual_id)
+        return m
+
+    def manual_prefix(self, manual: Manual) -> tuple[list[int], int]:
+        builder = self.runner.builder
+        if manual.tokenizer_fingerprint == self.tokenizer_fingerprint:
+            return builder.prefix_ids(manual_token_ids=manual.token_ids)
+        return builder.prefix_ids(manual.content)  # stored for another tokenizer: re-encode
+
+    async def create_manual(
+        self, tenant: str, title: str, text: str, source_type: str
+    ) -> tuple[Manual, bool]:
+        """(manual, created). The same text again from the same tenant returns the stored one."""
+        self.runner.require_ready()
+        text = text.strip()
+        if not text:
+            raise ApiError(400, "invalid_manual", "the manual has no text")
+        title = title.strip()[:512] or "untitled"
+        digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        existing = await self._find_manual(tenant, digest)
+        if existing is not None:
+            return existing, False
+        builder = self.runner.builder
+        ids = await asyncio.to_thread(builder.manual_token_ids, text)
+        prefix, _ = builder.prefix_ids(manual_token_ids=ids)
+        max_len = self.runner.engine.max_model_len
+        overhead = len(prefix) - len(ids)
+        limit = max_len - MIN_QUESTION_ROOM - overhead
+        if len(ids) > limit:
+            raise ApiError(
+                400,
+                "manual_too_long",
+                f"the manual is {len(ids):,} tokens; with the system instructions ({overhead} "
+                f"tokens) and room for a question and an answer ({MIN_QUESTION_ROOM} tokens) it "
+                f"must fit the model's context of {max_len:,} tokens, so a manual may have at "
+                f"most {limit:,} tokens",
+                limit,
+            )
+        manual = Manual(
+            id=new_id("man"),
+            tenant=tenant,
+            title=title,
+            source_type=source_type,
+            content=text,
+            sha256=digest,
+            token_ids=ids,
+            token_count=len(ids),
+            tokenizer_fingerprint=self.tokenizer_fingerprint,
+        )
+        try:
+            async with self.db.transaction() as s:
+                s.add(manual)
+        except IntegrityError:  # the same upload raced us; return the stored one
+            existing = await self._find_manual(tenant, digest)
+            if existing is None:
+                raise
+            return existing, False
+        return manual, True
+
+    async def _find_manual(self, tenant: str, digest: str) -> Manual | None:
+        async with self.db.session() as s:
+            return await s.scalar(
+                select(Manual).where(Manual.tenant == tenant, Manual.sha256 == digest)
+            )
+
+    # -- prompts ----------------------------------------------------------------------------------
+    def params(
+        self, max_tokens: int | None, temperature: float, top_p: float, seed: int | None
+    ) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens or self.settings.default_max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+        )
+
+    def build(
+        self, manual: Manual, question: str, history: Sequence[Turn], max_tokens: int
+    ) -> BuiltPrompt:
+        builder = self.runner.builder
+        try:
+            return builder.build(
+                manual.content,
+                question,
+                history,
+                max_model_len=self.runner.engine.max_model_len,
+                max_tokens=max_tokens,
+                manual_ids=self.manual_prefix(manual),
+            )
+        except PromptLayoutTooLong as e:
+            raise ApiError(400, "prompt_too_long", str(e), e.limit) from None
+
+    def history(self, messages: Sequence[Message]) -> list[Turn]:
+        """Earlier (question, answer ids) turns; an answer cut short gets its end-of-turn token
+        so the next turn opens cleanly."""
+        eot = self.runner.builder.end_of_turn_id()
+        turns: list[Turn] = []
+        pending: str | None = None
+        for m in messages:
+            if m.role == "user":
+                pending = m.content
+            elif m.role == "assistant" and pending is not None:
+                ids = list(m.token_ids)
+                if not ids or ids[-1] != eot:
+                    ids.append(eot)
+                turns.append(Turn(pending, ids))
+                pending = None
+        return turns
+
+    # -- running ----------------------------------------------------------------------------------
+    async def submit(self, job: Job) -> tuple[RequestHandle, asyncio.Task]:
+        handle = await self.runner.submit(
+            job.prompt.token_ids,
+            job.params,
+            request_id=job.request_id,
+            namespace=job.namespace,
+            use_cache=job.use_cache,
+        )
+        task = asyncio.get_running_loop().create_task(self._complete(job, handle))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return handle, task
+
+    async def _complete(self, job: Job, handle: RequestHandle) -> Answer:
+        completion = await handle.final
+        answer = self.answer(job, completion)
+        if job.conversation_id is not None:
+            await self._store_turn(job, completion, answer)
+        return answer
+
+    def answer(self, job: Job, c: Completion) -> Answer:
+        tok = self.runner.engine.tokenizer
+        cached = c.num_cached_tokens
+        return Answer(
+            id=job.request_id,
+            conversation_id=job.conversation_id,
+            answer=tok.decode(c.output_token_ids).strip(),
+            finish_reason=c.finish_reason,
+            usage=Usage(
+                prompt_tokens=len(c.prompt_token_ids),
+                cached_tokens=cached,
+                completion_tokens=len(c.output_token_ids),
+                cached_tokens_by_tier={"device": cached, "redis": 0},
+            ),
+            timings=Timings(**c.metrics.to_dict()),
+            warnings=list(job.warnings),
+        )
+
+    async def _store_turn(self, job: Job, c: Completion, answer: Answer) -> None:
+        q_ids = self.runner.engine.tokenizer.encode(job.question.strip())
+        for attempt in range(5):
+            try:
+                async with self.db.transaction() as s:
+                    last = await s.scalar(
+                        select(func.max(Message.seq)).where(
+                            Message.conversation_id == job.conversation_id
+                        )
+                    )
+                    seq = (last if last is not None else -1) + 1
+                    s.add(
+                        Message(
+                            conversation_id=job.conversation_id,
+                            seq=seq,
+                            role="user",
+                            content=job.question,
+                            token_ids=q_ids,
+                        )
+                    )
+                    s.add(
+                        Message(
+                            id=job.request_id,
+                            conversation_id=job.conversation_id,
+                            seq=seq + 1,
+                            role="assistant",
+                            content=answer.answer,
+                            token_ids=c.output_token_ids,
+                            finish_reason=answer.finish_reason,
+                            usage=msgspec.to_builtins(answer.usage),
+                            timings=msgspec.to_builtins(answer.timings),
+                            warnings=list(answer.warnings),
+                        )
+                    )
+                return
+            except IntegrityError as e:
+                # a concurrent turn took this seq, or the conversation was deleted meanwhile
+                async with self.db.session() as s:
+                    alive = await s.get(Conversation, job.conversation_id)
+                if alive is None:
+                    log.info("conversation %s was deleted; answer not stored", job.conversation_id)
+                    answer.warnings.append(
+                        "the conversation was deleted; this answer is not stored"
+                    )
+                    return
+                log.debug("retrying turn storage (%s): %s", attempt, e)
+                await asyncio.sleep(0.01 * (attempt + 1))
+        raise RuntimeError(f"could not store a turn of {job.conversation_id}")
+
+    async def stream(
+        self, handle: RequestHandle, task: asyncio.Task, *, final_event: str = "answer"
+    ) -> AsyncIterator[bytes]:
+        """Native SSE: ``event: token`` with text deltas, then ``event: answer`` with the whole
+        answer object. A client that goes away cancels the request (the task stores the
+        partial answer with finish reason ``cancelled``)."""
+        decoder = IncrementalDecoder(self.runner.engine.tokenizer)
+        try:
+            while True:
+                ids = await handle.tokens.get()
+                if ids is None:
+                    break
+                delta = decoder.push(ids)
+                if delta:
+                    yield sse("token", {"text": delta})
+            try:
+                answer = await asyncio.shield(task)
+            except Exception as e:
+                log.error("request %s failed: %s", handle.request_id, e)
+                yield sse("error", {"error": {"code": "engine_error", "message": str(e)}})
+                return
+            yield sse(final_event, answer)
+        finally:
+            if not handle.final.done():
+                handle.cancel()
+
+    async def warm(self, tenant: str, manual: Manual) -> dict:
+        prefix, _ = self.manual_prefix(manual)
+        ns = self.namespace(tenant)
+        t0 = time.perf_counter()
+        job = Job(
+            request_id=f"warm_{uuid.uuid4().hex}",
+            prompt=BuiltPrompt(prefix, len(prefix), 0, 0),
+            params=SamplingParams(max_tokens=1),
+            namespace=ns,
+            use_cache=True,
+        )
+        handle, task = await self.submit(job)
+        c = await handle.final
+        await task
+        probe = prefix + [0]
+        cached = await self.runner.call(
+            lambda e: e.kv_manager.find_cached_prefix(probe, ns).num_cached_tokens
+        )
+        return {
+            "manual_id": manual.id,
+            "prompt_tokens": len(prefix),
+            "cached_tokens": cached,
+            "computed_tokens": len(prefix) - c.num_cached_tokens,
+            "elapsed_ms": round((time.perf_counter() - t0) * 1000, 3),
+        }
+
+
+class EventStream(Stream):
+    """A ``text/event-stream`` response, whatever media type the handler declares for its JSON
+    answers (Litestar lets the handler's type win over the response's own)."""
+
+    def __init__(self, content, **kwargs):
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(content, media_type="text/event-stream", headers=headers, **kwargs)
+
+    def to_asgi_response(self, *args, **kwargs):
+        kwargs["media_type"] = "text/event-stream"
+        return super().to_asgi_response(*args, **kwargs)

@@ -1,0 +1,173 @@
+"""Helpers for tests over real HTTP: a ``docqa serve`` subprocess, a per-run Postgres
+database, metrics parsing, and small documents (PDF, HTML) built in memory."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+PG_ADMIN_URL = os.environ.get("DOCQA_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _pg_exec(sql: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(PG_ADMIN_URL, timeout=10)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+def create_pg_database() -> str:
+    """A fresh database for this test run; returns its SQLAlchemy URL. Fails (never skips)
+    when Postgres is unreachable."""
+    name = f"docqa_test_{uuid.uuid4().hex[:12]}"
+    try:
+        asyncio.run(_pg_exec(f'CREATE DATABASE "{name}"'))
+    except (OSError, ConnectionError) as e:
+        raise RuntimeError(f"Postgres at {PG_ADMIN_URL} is required for these tests: {e}") from e
+    base = PG_ADMIN_URL.rsplit("/", 1)[0]
+    return f"{base}/{name}".replace("postgresql://", "postgresql+asyncpg://", 1)
+
+
+def drop_pg_database(url: str) -> None:
+    name = url.rsplit("/", 1)[1]
+    asyncio.run(_pg_exec(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+class Server:
+    """``docqa serve`` in a subprocess on a free port."""
+
+    def __init__(
+        self,
+        log_dir: Path,
+        database_url: str,
+        api_keys: str | None = None,
+        args: tuple[str, ...] = (),
+        name: str = "server",
+    ):
+        self.log_path = log_dir / f"{name}.log"
+        self.database_url = database_url
+        self.api_keys = api_keys
+        self.args = args
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+        self.extra_env: dict[str, str] = {}
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 300.0) -> Server:
+        self.port = free_port()
+        env = dict(os.environ)
+        env["DOCQA_DATABASE_URL"] = self.database_url
+        env.pop("DOCQA_API_KEYS", None)
+        env.pop("DOCQA_REDIS_URL", None)
+        if self.api_keys:
+            env["DOCQA_API_KEYS"] = self.api_keys
+        env.update(self.extra_env)
+        cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(self.port)]
+        cmd += ["--kv-cache-gib", "0.25", *self.args]
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child writes to it
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"docqa serve exited {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"docqa serve not ready after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def client(self, key: str | None = None, timeout: float = 300.0) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+
+_METRIC_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([0-9.eE+-]+|NaN|\+Inf)$")
+
+
+def metrics(client: httpx.Client) -> dict[str, float]:
+    """/metrics as {name{labels}: value}."""
+    r = client.get("/metrics")
+    r.raise_for_status()
+    out = {}
+    for line in r.text.splitlines():
+        m = _METRIC_RE.match(line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def computed_total(client: httpx.Client) -> float:
+    return metrics(client)["docqa:prompt_tokens_computed_total"]
+
+
+def make_pdf(lines: list[str]) -> bytes:
+    """A one-page PDF with these lines of text (Helvetica), with a correct xref table."""
+
+    def esc(s: str) -> str:
+        return s.replace("\\", "\\\\").replace("(", "\\(").replace(")", "\\)")
+
+    ops = ["BT", "/F1 12 Tf", "14 TL", "72 720 Td"]
+    for ln in lines:
+        ops.append(f"({esc(ln)}) Tj T*")
+    ops.append("ET")
+    stream = "\n".join(ops).encode("latin-1")
+    objs = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R "
+        b"/Resources << /Font << /F1 5 0 R >> >> >>",
+        b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream",
+        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+    ]
+    out = bytearray(b"%PDF-1.4\n")
+    offsets = []
+    for i, body in enumerate(objs, 1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n" % i + body + b"\nendobj\n"
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objs) + 1)
+    for off in offsets:
+        out += b"%010d 00000 n \n" % off
+    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objs) + 1, xref)
+    return bytes(out)
