@@ -220,3 +220,21 @@ def test_ready_reports_the_redis_tier(default_model_dir, tmp_path):
             assert c.get("/ready").json()["tiers"]["redis"] == "ok"
     finally:
         srv.stop()
+
+
+def test_database_gone_gives_503_and_the_server_keeps_answering(default_model_dir, tmp_path):
+    url = create_pg_database()
+    srv = Server(tmp_path, url, name="db-gone").start()
+    try:
+        with srv.client() as c:
+            assert c.get("/v1/manuals").status_code == 200
+            drop_pg_database(url)  # terminates the server's connections too
+            r = c.get("/v1/manuals")
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "database_unavailable"
+            assert r.headers["retry-after"]
+            assert c.get("/health").status_code == 200
+            assert c.get("/v1/engine").status_code == 200
+    finally:
+        srv.stop()
+        drop_pg_database(url)
