@@ -20,7 +20,7 @@ prefill path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,8 @@ class AttentionMetadata:
     query_lens_list: list[int]
     num_blocks_list: list[int]
     is_decode_list: list[bool]  # True: the sequence's one new token is a decode token
+    # per-step index work shared by all layers (decode gather rows per sequence)
+    scratch: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -100,24 +102,38 @@ def store_kv_reference(
 
 
 def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """[kvh, len(block_ids) * block_size, d]: one sequence's cache positions, in order."""
+    """[kvh, len(block_ids) * block_size, d]: one sequence's cache positions, in order.
+
+    Whole blocks are gathered as flat rows, several times faster on CPU than indexing the
+    4-d cache."""
     nb, bs, kvh, d = cache.shape
-    return cache.index_select(0, block_ids).reshape(-1, kvh, d).permute(1, 0, 2)
+    rows = cache.view(nb, bs * kvh * d).index_select(0, block_ids)
+    return rows.view(-1, kvh, d).permute(1, 0, 2)
+
+
+def _head_major_rows(block_ids: torch.Tensor, block_size: int, kvh: int) -> torch.Tensor:
+    """Flat cache rows (``slot * kvh + head``) of a sequence's keys, ordered [head, position]:
+    gathering them yields ``[kvh, positions, d]`` contiguous, ready for the products."""
+    slots = (
+        block_ids.view(-1, 1) * block_size + torch.arange(block_size, device=block_ids.device)
+    ).view(1, -1)
+    return (slots * kvh + torch.arange(kvh, device=block_ids.device).view(-1, 1)).view(-1)
 
 
 def _decode_one(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_ids: torch.Tensor,
+    rows: torch.Tensor,
     seq_len: int,
     scale: float,
 ) -> torch.Tensor:
-    """q: [H, d] of one decode token at position seq_len - 1 -> [H, d] float32."""
+    """q: [H, d] of one decode token at position seq_len - 1 -> [H, d] float32. ``rows`` from
+    ``_head_major_rows``."""
     num_heads, d = q.shape
     kvh = k_cache.shape[2]
-    keys = _gather_kv(k_cache, block_ids)  # [kvh, nblk * bs, d]
-    values = _gather_kv(v_cache, block_ids)
+    keys = k_cache.view(-1, d).index_select(0, rows).view(kvh, -1, d)  # [kvh, nblk * bs, d]
+    values = v_cache.view(-1, d).index_select(0, rows).view(kvh, -1, d)
     qg = q.view(kvh, num_heads // kvh, d)
     s = torch.matmul(qg, keys.transpose(1, 2)).float() * scale  # [kvh, g, nblk * bs]
     s[..., seq_len:] = float("-inf")
@@ -189,7 +205,10 @@ def paged_attention_reference(
     ):
         block_ids = meta.block_tables[i, :nblk].to(torch.int64)
         if decode:
-            out[start] = _decode_one(q[start], k_cache, v_cache, block_ids, sl, scale)
+            rows = meta.scratch.get(i)
+            if rows is None:
+                rows = meta.scratch[i] = _head_major_rows(block_ids, bs, kvh)
+            out[start] = _decode_one(q[start], k_cache, v_cache, rows, sl, scale)
             start += 1
             continue
         first_pos = sl - ql

@@ -19,6 +19,10 @@ from prefix_store import KVCacheManager, NoFreeBlocksError
 class SchedulerConfig:
     max_num_batched_tokens: int = 512  # new tokens per step (decodes + prompt chunks)
     max_num_seqs: int = 64  # requests running at once
+    # a request waiting longer than this is admitted in arrival order, ahead of requests that
+    # would otherwise go first for their longer cached prefix
+    fairness_window_s: float = 2.0
+    admission_lookahead: int = 128  # waiting requests considered per step
 
     def __post_init__(self):
         if self.max_num_batched_tokens < 1:
@@ -52,13 +56,21 @@ class Scheduler:
         self.num_prompt_tokens_admitted = 0
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
+        self.num_deferred_admissions = 0  # waits for a prefix another request was computing
 
-    def add(self, req: Request) -> None:
-        blocks_needed = -(-(req.num_prompt_tokens + 1) // self.kv.block_size)
-        if blocks_needed > self.kv.pool.num_blocks:
+    def add(self, req: Request, reserved_blocks: int = 0) -> None:
+        """Queue a request; RequestTooLargeError when its prompt plus its whole answer could
+        never fit the pool (less ``reserved_blocks``, e.g. pinned ones), even running alone."""
+        total = req.num_prompt_tokens + req.params.max_tokens
+        if req.max_model_len:
+            total = min(total, req.max_model_len)
+        blocks_needed = -(-max(total, req.num_prompt_tokens + 1) // self.kv.block_size)
+        available = self.kv.pool.num_blocks - reserved_blocks
+        if blocks_needed > available:
             raise RequestTooLargeError(
-                f"prompt of {req.num_prompt_tokens:,} tokens needs {blocks_needed:,} KV blocks; "
-                f"the pool holds {self.kv.pool.num_blocks:,}"
+                f"prompt of {req.num_prompt_tokens:,} tokens plus max_tokens "
+                f"{req.params.max_tokens:,} needs {blocks_needed:,} KV blocks; the pool holds "
+                f"{available:,} (of {self.kv.pool.num_blocks:,}, less pinned blocks)"
             )
         self.waiting.append(req)
 
@@ -108,17 +120,72 @@ class Scheduler:
                         n = 0
                         break
                     preempted.append(victim)
+                    budget += sum(c.num_new_tokens for c in chunks if c.request is victim)
                     chunks = [c for c in chunks if c.request is not victim]
             if n > 0:
                 chunks.append(ScheduledChunk(req, n, req.num_computed_tokens))
                 budget -= n
         # 2. admit waiting requests while budget, sequence slots and blocks last
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            cached = None
-            if req.use_cache:
-                cached = self.kv.find_cached_prefix(req.all_token_ids, req.namespace)
+        self._admit(chunks, budget)
+        return SchedulerOutput(chunks, preempted)
+
+    # -- admission --------------------------------------------------------------------------------
+    def _hashes(self, req: Request) -> list[bytes]:
+        if req.prompt_block_hashes is None:
+            req.prompt_block_hashes = self.kv.hasher(req.namespace).chain(req.prompt_token_ids)
+        return req.prompt_block_hashes
+
+    def _lookup(self, req: Request):
+        if not req.use_cache:
+            return None
+        return self.kv.find_cached_prefix(req.all_token_ids, req.namespace, self._hashes(req))
+
+    def _inflight_blocks(self) -> set[bytes]:
+        """Hashes of prompt blocks that running requests are computing and have not yet
+        registered: a waiting request whose next block is among them waits for it instead of
+        computing the same prefix in parallel."""
+        bs = self.kv.block_size
+        out: set[bytes] = set()
+        for r in self.running:
+            if r.use_cache and r.num_computed_tokens < r.num_prompt_tokens:
+                out.update(self._hashes(r)[r.num_computed_tokens // bs :])
+        return out
+
+    def _admission_order(self) -> list[Request]:
+        """Preempted requests and those waiting longer than the fairness window first (oldest
+        first); then the longest cached prefix first, oldest first among equals."""
+        now = time.perf_counter()
+        window = self.config.fairness_window_s
+        head = list(self.waiting)[: self.config.admission_lookahead]
+        keyed = []
+        for req in head:
+            urgent = req.num_preemptions > 0 or now - req.times.arrival > window
+            if urgent:
+                keyed.append(((0, 0, req.times.arrival), req))
+            else:
+                cached = self._lookup(req)
+                hit = cached.num_cached_tokens if cached else 0
+                keyed.append(((1, -hit, req.times.arrival), req))
+        keyed.sort(key=lambda kv: kv[0])
+        return [req for _, req in keyed]
+
+    def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
+        bs = self.kv.block_size
+        inflight: set[bytes] | None = None
+        for req in self._admission_order():
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            cached = self._lookup(req)
             num_cached = cached.num_cached_tokens if cached else 0
+            if req.use_cache:
+                hashes = self._hashes(req)
+                k = num_cached // bs
+                if k < len(hashes):
+                    if inflight is None:
+                        inflight = self._inflight_blocks()
+                    if hashes[k] in inflight:
+                        self.num_deferred_admissions += 1
+                        continue
             n = min(req.num_tokens - num_cached, budget)
             try:
                 self.kv.allocate(
@@ -126,7 +193,7 @@ class Scheduler:
                 )
             except NoFreeBlocksError:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             if req.num_cached_tokens < 0:  # first admission: count once
                 req.num_cached_tokens = num_cached
                 self.num_prompt_tokens_admitted += req.num_prompt_tokens
@@ -140,7 +207,11 @@ class Scheduler:
             self.running.append(req)
             chunks.append(ScheduledChunk(req, n, num_cached))
             budget -= n
-        return SchedulerOutput(chunks, preempted)
+            if req.use_cache and num_cached < req.num_prompt_tokens:
+                if inflight is None:
+                    inflight = self._inflight_blocks()
+                else:
+                    inflight.update(self._hashes(req)[num_cached // bs :])
 
     def finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason

@@ -47,6 +47,9 @@ class Request:
     generator: torch.Generator | None = None
     keep_logits: bool = False  # keep each sampled position's logits (tests, logprobs)
     logits: list[torch.Tensor] = field(default_factory=list)  # [vocab] float32 each
+    # chained hashes of the prompt's full blocks in this request's namespace (set by the
+    # scheduler on first look; used for cache-aware admission)
+    prompt_block_hashes: list[bytes] | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -66,11 +66,18 @@ class KVCacheManager:
             )
         return h
 
-    def find_cached_prefix(self, token_ids: Sequence[int], namespace: bytes = b"") -> CachedPrefix:
+    def find_cached_prefix(
+        self,
+        token_ids: Sequence[int],
+        namespace: bytes = b"",
+        block_hashes: Sequence[bytes] | None = None,
+    ) -> CachedPrefix:
         """Longest verified cached prefix of ``token_ids``, in full blocks.
 
         At most ``len(token_ids) - 1`` tokens are reported, rounded down to a block: when every
-        token would hit, the last block is recomputed.
+        token would hit, the last block is recomputed. ``block_hashes``, the chain of
+        ``token_ids``'s full blocks in this namespace when the caller already has it, saves
+        hashing them again (hits are still verified against token ids and parent hashes).
         """
         bs = self.block_size
         max_blocks = (len(token_ids) - 1) // bs
@@ -79,7 +86,10 @@ class KVCacheManager:
         hashes: list[bytes] = []
         for i in range(max_blocks):
             ids = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = hash_block(parent, ids)
+            if block_hashes is not None and i < len(block_hashes):
+                h = block_hashes[i]
+            else:
+                h = hash_block(parent, ids)
             block = self.pool.lookup(h)
             if block is None or block.token_ids != ids or block.parent_hash != parent:
                 break

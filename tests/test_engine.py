@@ -149,3 +149,40 @@ def test_sampling_params_validate():
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
+
+
+def test_simultaneous_requests_prefill_a_shared_prefix_once(tiny_model_dir):
+    """8 questions about one new manual, arriving together: the manual is computed once and
+    the others wait for its blocks instead of computing it in parallel."""
+    eng = LLM(tiny_model_dir, dtype="bfloat16", kv_cache_gib=0.01, max_num_batched_tokens=128)
+    eng = eng.engine
+    manual = _prompt(900, 200)  # 12 full blocks + 8 tokens
+    prompts = [manual + _prompt(901 + i, 10) for i in range(8)]
+    reqs = [
+        eng.add_request(p, SamplingParams(max_tokens=3, ignore_eos=True)) for p in prompts
+    ]
+    while any(not r.finished for r in reqs):
+        eng.step()
+    shared = len(manual) // 16 * 16
+    assert eng.prompt_tokens_computed == len(prompts[0]) + sum(len(p) - shared for p in prompts[1:])
+    assert [r.num_cached_tokens for r in reqs] == [0] + [shared] * 7
+    assert eng.scheduler.num_deferred_admissions > 0
+    for r in reqs:
+        eng.release(r)
+    eng.kv_manager.check_integrity()
+
+
+def test_admission_prefers_the_longest_cached_prefix(tiny_model_dir):
+    eng = LLM(tiny_model_dir, dtype="bfloat16", kv_cache_gib=0.01, max_num_batched_tokens=64)
+    eng = eng.engine
+    manual = _prompt(950, 96)
+    warm = eng.add_request(manual + [5], SamplingParams(max_tokens=1))
+    while not warm.finished:
+        eng.step()
+    eng.release(warm)
+    cold = eng.add_request(_prompt(951, 100), SamplingParams(max_tokens=1))
+    hit = eng.add_request(manual + _prompt(952, 4), SamplingParams(max_tokens=1))
+    out = eng.scheduler.schedule()
+    first = out.chunks[0].request
+    assert first is hit and out.chunks[0].num_context_tokens == 96
+    assert any(c.request is cold for c in out.chunks)  # the cold one still gets the rest
