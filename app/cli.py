@@ -182,6 +182,8 @@ def cmd_serve(args) -> int:
         kv_cache_gib=args.kv_cache_gib,
         max_tokens_cap=args.max_tokens_cap,
         num_threads=args.threads,
+        pin_budget=args.pin_budget,
+        max_num_batched_tokens=args.max_batched_tokens,
     )
     upgrade(settings.database_url)  # before the event loop starts (Alembic runs its own)
     app = create_app(settings)
@@ -269,6 +271,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-tokens-cap", type=int, default=1024, help="upper bound of a request's max_tokens"
     )
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    s.add_argument(
+        "--pin-budget",
+        type=float,
+        default=0.25,
+        help="share of the KV pool that pinned manuals may hold (default 0.25)",
+    )
+    s.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=512,
+        help="tokens per engine step, decodes and prompt chunks together (default 512)",
+    )
     s.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("db", help="database migrations")

@@ -53,9 +53,16 @@ class RequestHandle:
     """The caller's side of one engine request: new token ids arrive on ``tokens`` (a list per
     step, ``None`` at the end); ``final`` resolves to the ``Completion``."""
 
-    def __init__(self, runner: EngineRunner, request_id: str, loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self,
+        runner: EngineRunner,
+        request_id: str,
+        loop: asyncio.AbstractEventLoop,
+        owner: str | None = None,
+    ):
         self.runner = runner
         self.request_id = request_id
+        self.owner = owner  # the tenant that may cancel it
         self.loop = loop
         self.tokens: asyncio.Queue[list[int] | None] = asyncio.Queue()
         self.final: asyncio.Future[Completion] = loop.create_future()
@@ -94,10 +101,18 @@ class EngineRunner:
         kv_cache_gib: float | None = None,
         num_threads: int | None = None,
         max_waiting: int = 256,
+        pin_budget: float = 0.25,
+        max_num_batched_tokens: int = 512,
         observer: Any = None,  # ServiceMetrics, or None
     ):
         self._model = model
-        self._engine_kwargs = dict(dtype=dtype, kv_cache_gib=kv_cache_gib, num_threads=num_threads)
+        self._engine_kwargs = dict(
+            dtype=dtype,
+            kv_cache_gib=kv_cache_gib,
+            num_threads=num_threads,
+            pin_budget=pin_budget,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
         self.max_waiting = max_waiting
         self.observer = observer
         self.state = "loading"
@@ -164,6 +179,8 @@ class EngineRunner:
                 log.exception("engine step failed; aborting the requests in flight")
                 self._fail_all(EngineFailure(f"the engine failed: {e}"))
                 continue
+            if self.observer is not None and engine.last_step is not None:
+                self.observer.observe_step(*engine.last_step)
             self._publish(finished)
         self._fail_all(EngineNotReady("the server is shutting down"))
 
@@ -269,6 +286,7 @@ class EngineRunner:
         request_id: str,
         namespace: bytes = b"",
         use_cache: bool = True,
+        owner: str | None = None,
     ) -> RequestHandle:
         """Queue a request; errors about the prompt (too long, too large for the pool) are
         raised here, before anything runs."""
@@ -278,7 +296,7 @@ class EngineRunner:
                 f"{len(engine.scheduler.waiting)} requests are waiting for the engine "
                 f"(limit {self.max_waiting}); retry shortly"
             )
-        handle = RequestHandle(self, request_id, asyncio.get_running_loop())
+        handle = RequestHandle(self, request_id, asyncio.get_running_loop(), owner)
 
         def add(e: LLMEngine):
             req = e.add_request(
@@ -292,6 +310,12 @@ class EngineRunner:
 
         await self.call(add)
         return handle
+
+    def find(self, request_id: str) -> RequestHandle | None:
+        """The handle of a request still in the engine (read from the event loop: the dict is
+        only replaced entry by entry, so a lookup is safe)."""
+        entry = self._active.get(request_id)
+        return entry[1] if entry is not None else None
 
     # -- reporting -----------------------------------------------------------------------------
     def counters(self) -> dict[str, float]:
@@ -316,4 +340,8 @@ class EngineRunner:
             "num_requests_running": len(s.running),
             "num_requests_waiting": len(s.waiting),
             "num_steps": e.num_steps,
+            "num_cancelled": e.num_cancelled,
+            "num_deferred_admissions": s.num_deferred_admissions,
+            "pinned_blocks": e.num_pinned_blocks,
+            "pin_budget_blocks": e.pin_budget_blocks,
         }

@@ -11,6 +11,8 @@ from inference.metrics import RequestMetrics
 _LATENCY_BUCKETS = (
     0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
 )  # fmt: skip
+_STEP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
+_COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -54,6 +56,15 @@ class _EngineCollector:
         )
         yield counter("docqa:generation_tokens", "Output tokens", "generation_tokens")
         yield counter("docqa:num_preemptions", "Requests preempted", "num_preemptions")
+        yield counter(
+            "docqa:num_requests_cancelled", "Requests cancelled in the engine", "num_cancelled"
+        )
+        yield counter(
+            "docqa:num_deferred_admissions",
+            "Admissions deferred to reuse a prefix another request was computing",
+            "num_deferred_admissions",
+        )
+        yield gauge("docqa:kv_cache_pinned_blocks", "KV blocks held by pins", "pinned_blocks")
         yield gauge(
             "docqa:kv_cache_usage_perc",
             "Fraction of KV blocks referenced by running requests",
@@ -95,6 +106,30 @@ class ServiceMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.step_time = Histogram(
+            "docqa:scheduler_step_seconds",
+            "Time of one engine step (model forward of a batch)",
+            buckets=_STEP_BUCKETS,
+            registry=self.registry,
+        )
+        self.batch_size = Histogram(
+            "docqa:batch_size",
+            "Sequences per engine step",
+            buckets=_COUNT_BUCKETS,
+            registry=self.registry,
+        )
+        self.prefill_tokens = Histogram(
+            "docqa:prefill_tokens_per_step",
+            "Prompt tokens computed per engine step",
+            buckets=(0, *_COUNT_BUCKETS),
+            registry=self.registry,
+        )
+        self.decode_tokens = Histogram(
+            "docqa:decode_tokens_per_step",
+            "Decode tokens per engine step",
+            buckets=(0, *_COUNT_BUCKETS),
+            registry=self.registry,
+        )
         self._collector: _EngineCollector | None = None
 
     def attach(self, runner) -> None:
@@ -102,6 +137,12 @@ class ServiceMetrics:
         self.registry.register(self._collector)
 
     # called from the engine thread
+    def observe_step(self, seqs: int, prefill: int, decode: int, seconds: float) -> None:
+        self.step_time.observe(seconds)
+        self.batch_size.observe(seqs)
+        self.prefill_tokens.observe(prefill)
+        self.decode_tokens.observe(decode)
+
     def observe_inter_token(self, seconds: float) -> None:
         self.itl.observe(seconds)
 

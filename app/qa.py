@@ -43,6 +43,7 @@ class Job:
     use_cache: bool
     question: str = ""
     conversation_id: str | None = None
+    tenant: str | None = None  # who may cancel it
     warnings: list[str] = field(default_factory=list)
 
 
@@ -159,14 +160,44 @@ class QAService:
 
     # -- prompts ----------------------------------------------------------------------------------
     def params(
-        self, max_tokens: int | None, temperature: float, top_p: float, seed: int | None
+        self,
+        max_tokens: int | None,
+        temperature: float,
+        top_p: float,
+        seed: int | None,
+        ignore_eos: bool = False,
     ) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens or self.settings.default_max_tokens,
             temperature=temperature,
             top_p=top_p,
             seed=seed,
+            ignore_eos=ignore_eos,
         )
+
+    def pin_key(self, tenant: str, manual_id: str) -> str:
+        return f"{tenant}\x00{manual_id}"
+
+    async def pin(self, tenant: str, manual: Manual) -> dict:
+        """Warm the manual if needed, then hold its prefix blocks out of eviction."""
+        await self.warm(tenant, manual)
+        prefix, _ = self.manual_prefix(manual)
+        ns, key = self.namespace(tenant), self.pin_key(tenant, manual.id)
+        tokens = await self.runner.call(lambda e: e.pin(key, prefix, ns))
+        c = self.runner.counters()
+        return {
+            "manual_id": manual.id,
+            "pinned": tokens > 0,
+            "pinned_tokens": tokens,
+            "pinned_blocks_total": c["pinned_blocks"],
+            "pin_budget_blocks": c["pin_budget_blocks"],
+        }
+
+    async def unpin(self, tenant: str, manual_id: str) -> bool:
+        if not self.runner.ready:
+            return False
+        key = self.pin_key(tenant, manual_id)
+        return await self.runner.call(lambda e: e.unpin(key))
 
     def build(
         self, manual: Manual, question: str, history: Sequence[Turn], max_tokens: int
@@ -209,6 +240,7 @@ class QAService:
             request_id=job.request_id,
             namespace=job.namespace,
             use_cache=job.use_cache,
+            owner=job.tenant,
         )
         task = asyncio.get_running_loop().create_task(self._complete(job, handle))
         self._tasks.add(task)
@@ -346,8 +378,10 @@ class EventStream(Stream):
     """A ``text/event-stream`` response, whatever media type the handler declares for its JSON
     answers (Litestar lets the handler's type win over the response's own)."""
 
-    def __init__(self, content, **kwargs):
+    def __init__(self, content, request_id: str | None = None, **kwargs):
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        if request_id:
+            headers["X-Request-Id"] = request_id  # for POST /v1/requests/{id}/cancel
         super().__init__(content, media_type="text/event-stream", headers=headers, **kwargs)
 
     def to_asgi_response(self, *args, **kwargs):

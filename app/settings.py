@@ -76,6 +76,8 @@ class Settings:
     model: str | None = None  # None: the default model, imported on first use
     dtype: str = "auto"
     kv_cache_gib: float | None = None
+    pin_budget: float = 0.25  # share of the KV pool pinned manuals may hold
+    max_num_batched_tokens: int = 512  # tokens per engine step (decodes + prompt chunks)
     max_tokens_cap: int = MAX_TOKENS_CAP
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     max_upload_bytes: int = MAX_UPLOAD_BYTES
@@ -85,6 +87,10 @@ class Settings:
     def __post_init__(self):
         if self.max_tokens_cap < 1:
             raise ConfigError(f"--max-tokens-cap must be at least 1, got {self.max_tokens_cap}")
+        if not 0 <= self.pin_budget <= 0.9:
+            raise ConfigError(f"--pin-budget must be between 0 and 0.9, got {self.pin_budget}")
+        if self.max_num_batched_tokens < 16:
+            raise ConfigError("--max-batched-tokens must be at least 16")
         if self.max_upload_bytes < 1:
             raise ConfigError("the upload limit must be positive")
 

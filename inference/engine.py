@@ -19,7 +19,7 @@ import torch
 
 from inference.attention import AttentionMetadata
 from inference.config import ModelConfig, dtype_name, parse_dtype
-from inference.errors import ModelError, PromptTooLongError
+from inference.errors import DocqaError, ModelError, PromptTooLongError
 from inference.kv_sizing import KVCacheSpec, size_kv_cache
 from inference.metrics import PrefillCostModel, RequestMetrics
 from inference.model import LlamaModel, model_fingerprint
@@ -80,6 +80,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's context length
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
+    pin_budget: float = 0.25  # share of the KV pool that pinned prefixes may hold
     num_threads: int | None = None  # torch CPU threads; None keeps torch's default
 
     def __post_init__(self):
@@ -87,6 +88,14 @@ class EngineConfig:
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
         if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be positive, got {self.kv_cache_gib}")
+
+
+class PinBudgetError(DocqaError):
+    code = "pin_budget_exceeded"
+
+    def __init__(self, message: str, limit: int):
+        super().__init__(message)
+        self.limit = limit
 
 
 class LLMEngine:
@@ -153,6 +162,10 @@ class LLMEngine:
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
         self.num_steps = 0
+        self.num_cancelled = 0
+        # the last step, for metrics: (sequences, prefill tokens, decode tokens, seconds)
+        self.last_step: tuple[int, int, int, float] | None = None
+        self.pinned: dict[str, int] = {}  # pin key -> blocks held
 
     def _kv_budget_bytes(self) -> int:
         if self.device.type == "cuda":
@@ -214,15 +227,55 @@ class LLMEngine:
             generator=gen,
             keep_logits=keep_logits,
         )
-        self.scheduler.add(req)
+        self.scheduler.add(req, reserved_blocks=self.num_pinned_blocks)
         self.requests[rid] = req
         return req
 
     def abort(self, request_id: str) -> None:
+        """Cancel a request; its blocks are freed at once."""
         req = self.requests.pop(request_id, None)
         if req is not None and not req.finished:
             self.scheduler.abort(req)
             req.finish_reason = "abort"
+            self.num_cancelled += 1
+
+    # -- pinning --------------------------------------------------------------------------------
+    @property
+    def num_pinned_blocks(self) -> int:
+        return sum(self.pinned.values())
+
+    @property
+    def pin_budget_blocks(self) -> int:
+        return int(self.kv_spec.num_blocks * self.config.pin_budget)
+
+    def pin(self, key: str, token_ids: list[int], namespace: bytes = b"") -> int:
+        """Keep the cached full blocks of ``token_ids`` out of eviction until ``unpin(key)``.
+
+        Returns the tokens pinned (the cached prefix, in full blocks). Raises DocqaError when
+        the pin budget would be exceeded. Pinning again under the same key re-pins."""
+        self.unpin(key)
+        kv = self.kv_manager
+        cached = kv.find_cached_prefix(list(token_ids) + [0], namespace)
+        n = len(cached.blocks)
+        if n == 0:
+            return 0
+        budget = self.pin_budget_blocks
+        if self.num_pinned_blocks + n > budget:
+            raise PinBudgetError(
+                f"pinning {n:,} blocks would exceed the pin budget of {budget:,} blocks "
+                f"({self.config.pin_budget:.0%} of the pool; {self.num_pinned_blocks:,} pinned)",
+                budget,
+            )
+        kv.allocate(f"pin:{key}", cached.num_cached_tokens, cached, namespace)
+        self.pinned[key] = n
+        return cached.num_cached_tokens
+
+    def unpin(self, key: str) -> bool:
+        if key not in self.pinned:
+            return False
+        self.kv_manager.free(f"pin:{key}")
+        del self.pinned[key]
+        return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
@@ -266,6 +319,8 @@ class LLMEngine:
             torch.cuda.synchronize(dev)
         dt = time.perf_counter() - t0
         self.num_steps += 1
+        n_decode = sum(decodes)
+        self.last_step = (len(out.chunks), len(input_ids) - n_decode, n_decode, dt)
         prefill_chunks = []
         bs = self.kv_spec.block_size
         for (req, n, ctx), is_decode, toks in zip(out.chunks, decodes, chunk_tokens, strict=True):

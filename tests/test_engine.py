@@ -158,9 +158,7 @@ def test_simultaneous_requests_prefill_a_shared_prefix_once(tiny_model_dir):
     eng = eng.engine
     manual = _prompt(900, 200)  # 12 full blocks + 8 tokens
     prompts = [manual + _prompt(901 + i, 10) for i in range(8)]
-    reqs = [
-        eng.add_request(p, SamplingParams(max_tokens=3, ignore_eos=True)) for p in prompts
-    ]
+    reqs = [eng.add_request(p, SamplingParams(max_tokens=3, ignore_eos=True)) for p in prompts]
     while any(not r.finished for r in reqs):
         eng.step()
     shared = len(manual) // 16 * 16

@@ -12,7 +12,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import SwaggerRenderPlugin
 from litestar.openapi.spec import Components, SecurityScheme
 
-from app.api.conversations import question_controllers
+from app.api.conversations import RequestController, question_controllers
 from app.api.deps import auth_guard, provide_qa, provide_tenant
 from app.api.errors import EXCEPTION_HANDLERS, error_response
 from app.api.manuals import ManualController
@@ -103,6 +103,10 @@ async def engine_info(state: State) -> EngineInfo:
         prompt_tokens_computed_total=c["prompt_tokens_computed"],
         generation_tokens_total=c["generation_tokens"],
         num_preemptions_total=c["num_preemptions"],
+        requests_cancelled_total=c["num_cancelled"],
+        deferred_admissions_total=c["num_deferred_admissions"],
+        pinned_blocks=c["pinned_blocks"],
+        pin_budget_blocks=c["pin_budget_blocks"],
         prefix_cache_hit_rate=round(c["prefix_cache_hits"] / queries, 4) if queries else 0.0,
     )
 
@@ -116,6 +120,8 @@ def create_app(settings: Settings | None = None, runner: EngineRunner | None = N
         model=settings.model,
         dtype=settings.dtype,
         kv_cache_gib=settings.kv_cache_gib,
+        pin_budget=settings.pin_budget,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
         num_threads=settings.num_threads,
         max_waiting=settings.max_waiting_requests,
     )
@@ -141,6 +147,7 @@ def create_app(settings: Settings | None = None, runner: EngineRunner | None = N
         route_handlers=[
             ManualController,
             *question_controllers(types),
+            RequestController,
             *openai_controllers(types),
             engine_info,
         ],

@@ -1,6 +1,8 @@
 """/v1/conversations and /v1/ask: questions about a manual, answered with the answer object of
 CONTRACTS.md (JSON, or SSE with ``stream: true``)."""
 
+import asyncio
+
 from litestar import Controller, Response, delete, get, post
 from litestar.params import Parameter
 from sqlalchemy import delete as sa_delete
@@ -9,6 +11,7 @@ from sqlalchemy import func, select
 from app.api.errors import ApiError, not_found
 from app.api.schemas import (
     Answer,
+    CancelOut,
     ConversationCreate,
     ConversationDetail,
     ConversationList,
@@ -43,7 +46,7 @@ def _question(text: str) -> str:
 async def _respond(qa: QAService, job: Job, stream: bool):
     handle, task = await qa.submit(job)
     if stream:
-        return EventStream(qa.stream(handle, task))
+        return EventStream(qa.stream(handle, task), request_id=job.request_id)
     return await task
 
 
@@ -170,7 +173,9 @@ def question_controllers(types: QuestionTypes) -> list[type[Controller]]:
                     )
                 )
             qa.runner.require_ready()
-            params = qa.params(data.max_tokens, data.temperature, data.top_p, data.seed)
+            params = qa.params(
+                data.max_tokens, data.temperature, data.top_p, data.seed, data.ignore_eos
+            )
             built = qa.build(manual, question, qa.history(msgs), params.max_tokens)
             job = Job(
                 request_id=new_id("msg"),
@@ -180,6 +185,7 @@ def question_controllers(types: QuestionTypes) -> list[type[Controller]]:
                 use_cache=data.cache != "bypass",
                 question=question,
                 conversation_id=conv.id,
+                tenant=tenant,
                 warnings=list(built.warnings),
             )
             return await _respond(qa, job, data.stream)
@@ -197,7 +203,9 @@ def question_controllers(types: QuestionTypes) -> list[type[Controller]]:
             question = _question(data.question)
             manual = await qa.get_manual(tenant, data.manual_id)
             qa.runner.require_ready()
-            params = qa.params(data.max_tokens, data.temperature, data.top_p, data.seed)
+            params = qa.params(
+                data.max_tokens, data.temperature, data.top_p, data.seed, data.ignore_eos
+            )
             built = qa.build(manual, question, (), params.max_tokens)
             job = Job(
                 request_id=new_id("msg"),
@@ -206,8 +214,30 @@ def question_controllers(types: QuestionTypes) -> list[type[Controller]]:
                 namespace=qa.namespace(tenant),
                 use_cache=data.cache != "bypass",
                 question=question,
+                tenant=tenant,
                 warnings=list(built.warnings),
             )
             return await _respond(qa, job, data.stream)
 
     return [ConversationController, AskController]
+
+
+class RequestController(Controller):
+    path = "/requests"
+    tags = ["questions"]
+
+    @post("/{request_id:str}/cancel", status_code=200, summary="Cancel a running answer")
+    async def cancel(self, qa: QAService, tenant: str, request_id: str) -> CancelOut:
+        """Stops the request (the answer object's ``id``) and frees its KV blocks at once; a
+        conversation turn is stored with finish reason ``cancelled``."""
+        handle = qa.runner.find(request_id)
+        if handle is None or handle.owner != tenant:
+            raise ApiError(404, "request_not_found", f"no running request with id {request_id!r}")
+        handle.cancel()
+        done = await asyncio.shield(handle.final)
+        return CancelOut(
+            id=request_id,
+            cancelled=done.finish_reason == "cancelled",
+            finish_reason=done.finish_reason,
+            completion_tokens=len(done.output_token_ids),
+        )

@@ -21,7 +21,7 @@ from sqlalchemy import delete as sa_delete
 from sqlalchemy import select
 
 from app.api.errors import ApiError, not_found
-from app.api.schemas import ManualCreate, ManualDetail, ManualList, ManualOut, WarmOut
+from app.api.schemas import ManualCreate, ManualDetail, ManualList, ManualOut, PinOut, WarmOut
 from app.db import Manual
 from app.manual_text import extract_manual_text, manual_kind
 from app.qa import QAService
@@ -167,8 +167,35 @@ class ManualController(Controller):
             )
             if res.rowcount == 0:
                 raise not_found("manual", manual_id)
+        await qa.unpin(tenant, manual_id)
 
     @post("/{manual_id:str}/warm", status_code=200, summary="Prefill the manual into the cache")
     async def warm(self, qa: QAService, tenant: str, manual_id: str) -> WarmOut:
         manual = await qa.get_manual(tenant, manual_id)
         return WarmOut(**(await qa.warm(tenant, manual)))
+
+    @post(
+        "/{manual_id:str}/pin",
+        status_code=200,
+        summary="Keep the manual's prefix in the cache",
+        description=(
+            "Warms the manual if needed, then keeps its prefix blocks out of eviction until "
+            "unpinned, within the pin budget (a share of the KV pool; see /v1/engine)."
+        ),
+    )
+    async def pin(self, qa: QAService, tenant: str, manual_id: str) -> PinOut:
+        manual = await qa.get_manual(tenant, manual_id)
+        return PinOut(**(await qa.pin(tenant, manual)))
+
+    @post("/{manual_id:str}/unpin", status_code=200, summary="Let the manual's prefix be evicted")
+    async def unpin(self, qa: QAService, tenant: str, manual_id: str) -> PinOut:
+        await qa.get_manual(tenant, manual_id)
+        await qa.unpin(tenant, manual_id)
+        c = qa.runner.counters()
+        return PinOut(
+            manual_id=manual_id,
+            pinned=False,
+            pinned_tokens=0,
+            pinned_blocks_total=c.get("pinned_blocks", 0),
+            pin_budget_blocks=c.get("pin_budget_blocks", 0),
+        )

@@ -63,7 +63,7 @@ def openai_controllers(types: QuestionTypes) -> list[type[Controller]]:
                     f"{runner.model_name!r} (GET /v1/models)",
                 )
             max_tokens = data.max_completion_tokens or data.max_tokens
-            params = qa.params(max_tokens, data.temperature, data.top_p, data.seed)
+            params = qa.params(max_tokens, data.temperature, data.top_p, data.seed, data.ignore_eos)
             msgs = [
                 (("system" if m.role == "developer" else m.role), _text(m)) for m in data.messages
             ]
@@ -110,6 +110,7 @@ def openai_controllers(types: QuestionTypes) -> list[type[Controller]]:
                 namespace=qa.namespace(tenant),
                 use_cache=data.cache != "bypass",
                 question=msgs[-1][1],
+                tenant=tenant,
                 warnings=warnings,
             )
             handle, task = await qa.submit(job)
@@ -186,7 +187,7 @@ def openai_controllers(types: QuestionTypes) -> list[type[Controller]]:
                     if not handle.final.done():
                         handle.cancel()
 
-            return EventStream(chunks())
+            return EventStream(chunks(), request_id=job.request_id)
 
     return [OpenAIController]
 

@@ -38,6 +38,21 @@ class ManualList(Struct):
     items: list[ManualOut]
 
 
+class PinOut(Struct):
+    manual_id: str
+    pinned: bool
+    pinned_tokens: Annotated[int, Meta(description="tokens of the manual's prefix held")]
+    pinned_blocks_total: Annotated[int, Meta(description="blocks pinned in the engine")]
+    pin_budget_blocks: int
+
+
+class CancelOut(Struct):
+    id: str
+    cancelled: bool
+    finish_reason: str
+    completion_tokens: int
+
+
 class WarmOut(Struct):
     manual_id: str
     prompt_tokens: Annotated[int, Meta(description="system instructions + manual")]
@@ -130,6 +145,10 @@ class EngineInfo(Struct):
     prompt_tokens_computed_total: int
     generation_tokens_total: int
     num_preemptions_total: int
+    requests_cancelled_total: int
+    deferred_admissions_total: int
+    pinned_blocks: int
+    pin_budget_blocks: int
     prefix_cache_hit_rate: float
 
 
@@ -179,6 +198,7 @@ class QuestionTypes:
             top_p: TopP = 1.0
             seed: int | None = None
             cache: CacheMode = "default"
+            ignore_eos: bool = False
 
         class AskCreate(Struct, forbid_unknown_fields=True):
             manual_id: str
@@ -189,6 +209,7 @@ class QuestionTypes:
             top_p: TopP = 1.0
             seed: int | None = None
             cache: CacheMode = "default"
+            ignore_eos: bool = False
 
         class ChatCompletionCreate(Struct):
             messages: Annotated[list[ChatMessage], Meta(min_length=1)]
@@ -203,6 +224,7 @@ class QuestionTypes:
             stream_options: StreamOptions | None = None
             manual_id: str | None = None
             cache: CacheMode = "default"
+            ignore_eos: bool = False
 
         self.MessageCreate = MessageCreate
         self.AskCreate = AskCreate

@@ -1,0 +1,148 @@
+"""Serving under load over real HTTP: simultaneous first questions, cancellation, pinning."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from svc_helpers import Server, computed_total
+from test_api import SAMPLE, ask
+
+pytestmark = pytest.mark.slow
+BS = 16
+
+
+def test_simultaneous_first_questions_prefill_the_manual_once(sqlite_server):
+    with sqlite_server.client() as c:
+        text = f"Edition {uuid.uuid4().hex}\n\n{SAMPLE}"
+        m = c.post("/v1/manuals", json={"title": "t", "text": text}).json()
+        questions = [f"Question {i}: which option compresses the archive?" for i in range(8)]
+        before = computed_total(c)
+
+        def one(q):
+            with sqlite_server.client() as cc:
+                return ask(cc, m["id"], q, max_tokens=2)
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(one, questions))
+        delta = computed_total(c) - before
+        prefix = c.post(f"/v1/manuals/{m['id']}/warm").json()["prompt_tokens"]
+    shared = prefix // BS * BS
+    usage = sorted((a["usage"] for a in answers), key=lambda u: u["cached_tokens"])
+    assert delta == sum(u["prompt_tokens"] - u["cached_tokens"] for u in usage)
+    # one request computed the manual; the seven others found it cached
+    assert all(u["cached_tokens"] >= shared for u in usage[1:]), usage
+    question_part = max(u["prompt_tokens"] for u in usage) - prefix
+    assert delta <= prefix + 8 * (question_part + BS), (delta, prefix, question_part)
+
+
+def test_cancel_a_running_answer(pg_server):
+    with pg_server.client("key-a") as a, pg_server.client("key-b") as b:
+        m = a.post(
+            "/v1/manuals", json={"title": "t", "text": f"{uuid.uuid4().hex}\n{SAMPLE}"}
+        ).json()
+        conv = a.post("/v1/conversations", json={"manual_id": m["id"]}).json()
+        body = {"content": "Describe tarx.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        events: list[tuple[str, dict]] = []
+        rid: list[str] = []
+        got_tokens = threading.Event()
+
+        def stream():
+            with (
+                pg_server.client("key-a") as s,
+                s.stream("POST", f"/v1/conversations/{conv['id']}/messages", json=body) as r,
+            ):
+                rid.append(r.headers["x-request-id"])
+                event = None
+                for line in r.iter_lines():
+                    if line.startswith("event: "):
+                        event = line[7:]
+                    elif line.startswith("data: "):
+                        events.append((event, json.loads(line[6:])))
+                        if len(events) >= 3:
+                            got_tokens.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert got_tokens.wait(120)
+        # another tenant cannot cancel it; an unknown id is a 404
+        assert b.post(f"/v1/requests/{rid[0]}/cancel").status_code == 404
+        assert a.post("/v1/requests/msg_unknown/cancel").status_code == 404
+        r = a.post(f"/v1/requests/{rid[0]}/cancel")
+        assert r.status_code == 200, r.text
+        assert r.json()["cancelled"] is True and r.json()["completion_tokens"] < 400
+        t.join(60)
+        assert events[-1][0] == "answer"
+        final = events[-1][1]
+        assert final["id"] == rid[0] and final["finish_reason"] == "cancelled"
+        engine = a.get("/v1/engine").json()
+        assert engine["requests_running"] == 0 and engine["blocks_in_use"] == 0
+        assert engine["requests_cancelled_total"] >= 1
+        stored = a.get(f"/v1/conversations/{conv['id']}").json()["messages"]
+        assert stored[-1]["finish_reason"] == "cancelled"
+
+
+def test_pinned_manual_survives_eviction(default_model_dir, tmp_path):
+    srv = Server(
+        tmp_path,
+        f"sqlite:///{tmp_path / 'pin.db'}",
+        args=("--kv-cache-gib", "0.06", "--pin-budget", "0.5"),
+        name="pin",
+    ).start()
+    try:
+        with srv.client() as c:
+            pinned = c.post("/v1/manuals", json={"title": "p", "text": "A " + SAMPLE}).json()
+            control = c.post("/v1/manuals", json={"title": "c", "text": "B " + SAMPLE}).json()
+            r = c.post(f"/v1/manuals/{pinned['id']}/pin")
+            assert r.status_code == 200, r.text
+            pin = r.json()
+            assert pin["pinned"] and pin["pinned_tokens"] >= pinned["tokens"]
+            engine = c.get("/v1/engine").json()
+            assert engine["pinned_blocks"] == pin["pinned_blocks_total"] > 0
+            ask(c, control["id"], "Which option compresses?", max_tokens=1)
+            # fill the pool several times over with other manuals
+            for i in range(6):
+                other = c.post(
+                    "/v1/manuals", json={"title": f"o{i}", "text": f"{i} {uuid.uuid4()} {SAMPLE}"}
+                ).json()
+                ask(c, other["id"], "What is tarx?", max_tokens=1)
+            hit = ask(c, pinned["id"], "Which option compresses?", max_tokens=1)
+            miss = ask(c, control["id"], "Which option lists?", max_tokens=1)
+            assert hit["usage"]["cached_tokens"] >= pin["pinned_tokens"] - BS
+            assert miss["usage"]["cached_tokens"] < 100  # evicted (bar shared instructions)
+            # over budget: a clear error
+            big = c.post("/v1/manuals", json={"title": "big", "text": (SAMPLE + "\n") * 3}).json()
+            r = c.post(f"/v1/manuals/{big['id']}/pin")
+            assert r.status_code == 400 and r.json()["error"]["code"] == "pin_budget_exceeded"
+            assert r.json()["error"]["limit"] == engine["pin_budget_blocks"]
+            # unpinned, it can be evicted again
+            r = c.post(f"/v1/manuals/{pinned['id']}/unpin")
+            assert r.status_code == 200 and r.json()["pinned_blocks_total"] == 0
+            assert c.get("/v1/engine").json()["pinned_blocks"] == 0
+    finally:
+        srv.stop()
+
+
+def test_metrics_cover_the_scheduler(sqlite_server):
+    from svc_helpers import metrics
+
+    with sqlite_server.client() as c:
+        m = c.post("/v1/manuals", json={"title": "t", "text": f"{time.time()} {SAMPLE}"}).json()
+        ask(c, m["id"], "Which option compresses?", max_tokens=3)
+        names = metrics(c)
+    for n in (
+        "docqa:scheduler_step_seconds_count",
+        "docqa:batch_size_count",
+        "docqa:prefill_tokens_per_step_sum",
+        "docqa:decode_tokens_per_step_sum",
+        "docqa:num_preemptions_total",
+        "docqa:num_requests_cancelled_total",
+        "docqa:kv_cache_pinned_blocks",
+    ):
+        assert n in names, n
+    assert names["docqa:scheduler_step_seconds_count"] > 0
+    assert names["docqa:decode_tokens_per_step_sum"] >= 2
