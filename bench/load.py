@@ -1,0 +1,256 @@
+"""Load test in the shape of SGLang's generated-shared-prefix workload, over HTTP.
+
+    .venv/bin/python bench/load.py [--url http://127.0.0.1:8000] [--concurrency 1 4 16]
+        [--groups 4] [--prompts-per-group 8] [--manual-tokens 1000] [--question-tokens 32]
+        [--output-tokens 32]
+
+Each concurrency level gets ``groups`` fresh manuals (the shared prefixes), warms them, then
+``groups * prompts-per-group`` questions are asked by that many concurrent clients (streamed
+``/v1/ask``, greedy, ``ignore_eos`` so every answer has ``output-tokens`` tokens). Reports
+request throughput, output tokens/s, TTFT and TPOT p50/p99 (client side) and the cache hit
+rate, as a table and as JSON under bench/results/. Without ``--url`` it starts its own server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import queue
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from bench.ttft import manual_text  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+WORDS = (
+    "valve pump filter pressure manual reset cycle mode option archive extract compress list "
+    "error status file folder key button display power cable light sensor alarm timer"
+).split()
+LLAMA_CPP_DECODE_TOK_S = 94  # llama.cpp's llama-server, same model, this machine
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def question(rng: random.Random, tok, n_tokens: int) -> str:
+    words = [rng.choice(WORDS) for _ in range(n_tokens)]
+    text = "About the " + " ".join(words)
+    ids = tok.encode(text)[: n_tokens - 1]
+    return tok.decode(ids) + "?"
+
+
+def one_request(client: httpx.Client, body: dict) -> dict:
+    t0 = time.perf_counter()
+    token_times: list[float] = []
+    final = None
+    event = None
+    with client.stream("POST", "/v1/ask", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                event = line[7:]
+            elif line.startswith("data: "):
+                now = time.perf_counter()
+                if event == "token":
+                    token_times.append(now)
+                elif event == "answer":
+                    final = json.loads(line[6:])
+    end = time.perf_counter()
+    n = final["usage"]["completion_tokens"]
+    first = token_times[0] if token_times else end
+    return {
+        "ttft_ms": (first - t0) * 1000,
+        "tpot_ms": (end - first) * 1000 / (n - 1) if n > 1 else 0.0,
+        "e2e_ms": (end - t0) * 1000,
+        "completion_tokens": n,
+        "prompt_tokens": final["usage"]["prompt_tokens"],
+        "cached_tokens": final["usage"]["cached_tokens"],
+        "engine_ttft_ms": final["timings"]["ttft_ms"],
+        "engine_tpot_ms": final["timings"]["tpot_ms"],
+    }
+
+
+def run_level(url, headers, tok, args, concurrency: int, rng: random.Random) -> dict:
+    with httpx.Client(base_url=url, headers=headers, timeout=900) as c:
+        manual_ids = []
+        for g in range(args.groups):
+            text = f"Edition {uuid.uuid4().hex} part {g}\n" + manual_text(tok, args.manual_tokens)
+            m = c.post("/v1/manuals", json={"title": f"load {g}", "text": text}).json()
+            c.post(f"/v1/manuals/{m['id']}/warm").raise_for_status()
+            manual_ids.append(m["id"])
+    work: queue.Queue = queue.Queue()
+    jobs = [
+        {
+            "manual_id": mid,
+            "question": question(rng, tok, args.question_tokens),
+            "max_tokens": args.output_tokens,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        for mid in manual_ids
+        for _ in range(args.prompts_per_group)
+    ]
+    rng.shuffle(jobs)
+    for j in jobs:
+        work.put(j)
+    results: list[dict] = []
+    lock = threading.Lock()
+
+    def client_loop():
+        with httpx.Client(base_url=url, headers=headers, timeout=900) as c:
+            while True:
+                try:
+                    body = work.get_nowait()
+                except queue.Empty:
+                    return
+                r = one_request(c, body)
+                with lock:
+                    results.append(r)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client_loop) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ttft = [r["ttft_ms"] for r in results]
+    tpot = [r["tpot_ms"] for r in results]
+    out_tokens = sum(r["completion_tokens"] for r in results)
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "wall_s": wall,
+        "request_throughput": len(results) / wall,
+        "output_tokens_per_s": out_tokens / wall,
+        "ttft_p50_ms": statistics.median(ttft),
+        "ttft_p99_ms": pct(ttft, 0.99),
+        "tpot_p50_ms": statistics.median(tpot),
+        "tpot_p99_ms": pct(tpot, 0.99),
+        "cache_hit_rate": sum(r["cached_tokens"] for r in results)
+        / sum(r["prompt_tokens"] for r in results),
+        "per_request": results,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--url", help="a running server (default: start one on a temporary SQLite)")
+    ap.add_argument("--api-key")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--groups", type=int, default=4)
+    ap.add_argument("--prompts-per-group", type=int, default=8)
+    ap.add_argument("--manual-tokens", type=int, default=1000)
+    ap.add_argument("--question-tokens", type=int, default=32)
+    ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--max-batched-tokens", type=int, default=None, help="for a started server")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    from inference.llm import resolve_model
+    from inference.tokenizer import TextTokenizer
+
+    tok = TextTokenizer(resolve_model(None))
+    srv = None
+    if args.url:
+        url = args.url
+    else:
+        from svc_helpers import Server
+
+        tmp = Path(tempfile.mkdtemp(prefix="docqa-load-"))
+        extra = ("--kv-cache-gib", "1")
+        if args.max_batched_tokens:
+            extra += ("--max-batched-tokens", str(args.max_batched_tokens))
+        srv = Server(tmp, f"sqlite:///{tmp / 'docqa.db'}", args=extra, name="load").start()
+        url = srv.url
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    rng = random.Random(args.seed)
+    levels = []
+    try:
+        for n in args.concurrency:
+            lvl = run_level(url, headers, tok, args, n, rng)
+            levels.append(lvl)
+            print(
+                json.dumps({k: v for k, v in lvl.items() if k != "per_request"}),
+                file=sys.stderr,
+                flush=True,
+            )
+    finally:
+        if srv is not None:
+            srv.stop()
+    base = levels[0]
+    print(
+        f"\nworkload: {args.groups} manuals x {args.prompts_per_group} questions, manual "
+        f"~{args.manual_tokens} tokens, question ~{args.question_tokens}, output "
+        f"{args.output_tokens} (greedy, ignore_eos), manuals warmed first\n"
+    )
+    print(
+        "| clients | req/s | output tok/s | x 1 client | TTFT p50 ms | TTFT p99 ms "
+        "| TPOT p50 ms | TPOT p99 ms | cache hit rate |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for lvl in levels:
+        print(
+            f"| {lvl['concurrency']} | {lvl['request_throughput']:.2f} "
+            f"| {lvl['output_tokens_per_s']:.1f} "
+            f"| {lvl['output_tokens_per_s'] / base['output_tokens_per_s']:.2f} "
+            f"| {lvl['ttft_p50_ms']:.0f} | {lvl['ttft_p99_ms']:.0f} "
+            f"| {lvl['tpot_p50_ms']:.1f} | {lvl['tpot_p99_ms']:.1f} "
+            f"| {lvl['cache_hit_rate']:.3f} |"
+        )
+    decode = 1000 / base["tpot_p50_ms"] if base["tpot_p50_ms"] else float("nan")
+    print(
+        f"\n1-client decode: {decode:.1f} tokens/s (llama.cpp's llama-server on this machine: "
+        f"{LLAMA_CPP_DECODE_TOK_S} tokens/s)"
+    )
+    top = levels[-1]
+    goals = {
+        "throughput_x": top["output_tokens_per_s"] / base["output_tokens_per_s"],
+        "ttft_p50_x": top["ttft_p50_ms"] / base["ttft_p50_ms"],
+        "tpot_p99_over_1client_p50": top["tpot_p99_ms"] / base["tpot_p50_ms"],
+    }
+    print(
+        f"at {top['concurrency']} clients: output tok/s {goals['throughput_x']:.2f}x (goal >= 4), "
+        f"TTFT p50 {goals['ttft_p50_x']:.2f}x (goal < 3), TPOT p99 / 1-client TPOT p50 "
+        f"{goals['tpot_p99_over_1client_p50']:.2f}x (goal < 3)"
+    )
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"load-{dt.date.today().isoformat()}.json"
+    out.write_text(
+        json.dumps(
+            {
+                "machine": platform.processor() or platform.machine(),
+                "args": vars(args),
+                "levels": levels,
+                "goals": goals,
+                "decode_tokens_per_s_1_client": decode,
+            },
+            indent=2,
+        )
+    )
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
