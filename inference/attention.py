@@ -111,35 +111,138 @@ def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return rows.view(-1, kvh, d).permute(1, 0, 2)
 
 
-def _head_major_rows(block_ids: torch.Tensor, block_size: int, kvh: int) -> torch.Tensor:
-    """Flat cache rows (``slot * kvh + head``) of a sequence's keys, ordered [head, position]:
-    gathering them yields ``[kvh, positions, d]`` contiguous, ready for the products."""
-    slots = (
-        block_ids.view(-1, 1) * block_size + torch.arange(block_size, device=block_ids.device)
-    ).view(1, -1)
-    return (slots * kvh + torch.arange(kvh, device=block_ids.device).view(-1, 1)).view(-1)
+DECODE_TILE = 128  # keys per decode product: the granularity at which sequences share keys
+DECODE_SLAB = 32  # query rows per decode product (padded): fixed, so rows never interact
 
 
-def _decode_one(
-    q: torch.Tensor,
+@dataclass(slots=True)
+class _DecodePlan:
+    """How a step's decode tokens are grouped, built once per step and used by every layer.
+
+    Every decode sequence's context is cut into tiles of ``DECODE_TILE`` keys from key 0.
+    Tiles with the same blocks (the same cached prefix, e.g. one manual asked about by many
+    users) form one group, and each group is computed once for all its sequences: the shared
+    keys are read once and the queries of up to ``slab_seqs`` sequences share one product."""
+
+    q_index: torch.Tensor  # [G, S] query row of each slot (padding slots repeat a real row)
+    blocks: torch.Tensor  # [G * blocks per tile] block ids of each group's tile
+    bias: torch.Tensor  # [G, 1, S * group, tile] 0 where a row may see the key, -inf past it
+    seq_rows: torch.Tensor  # [D] query row of each decode sequence
+    slot_g: torch.Tensor  # [D, max tiles] group of (sequence, tile) (0 where absent)
+    slot_s: torch.Tensor  # [D, max tiles] slot within that group
+    absent: torch.Tensor  # [D, max tiles, 1, 1] True past a sequence's last tile
+    last_tile: torch.Tensor  # [D] index of each sequence's last tile
+    slab_seqs: int
+
+
+def _decode_plan(meta: AttentionMetadata, block_size: int, group: int, device) -> _DecodePlan:
+    key = ("decode", block_size, group)
+    plan = meta.scratch.get(key)
+    if plan is not None:
+        return plan
+    per_tile = max(1, DECODE_TILE // block_size)
+    tile = per_tile * block_size
+    slab_seqs = max(1, DECODE_SLAB // group)
+    groups: dict[tuple, list[int]] = {}  # (tile index, blocks) -> decode sequence numbers
+    seq_rows, seq_lens, seq_tiles = [], [], []
+    start = 0
+    for i, (sl, ql, dec) in enumerate(
+        zip(meta.seq_lens_list, meta.query_lens_list, meta.is_decode_list, strict=True)
+    ):
+        if dec:
+            n = len(seq_rows)
+            seq_rows.append(start)
+            seq_lens.append(sl)
+            table = meta.block_tables[i].tolist()
+            n_tiles = -(-sl // tile)
+            seq_tiles.append(n_tiles)
+            nblk = -(-sl // block_size)
+            for t in range(n_tiles):
+                ids = tuple(table[t * per_tile : min((t + 1) * per_tile, nblk)])
+                groups.setdefault((t, ids), []).append(n)
+        start += ql
+    q_index, blocks, tile_start, slot_len = [], [], [], []
+    max_tiles = max(seq_tiles)
+    placement: list[tuple[int, int, int, int]] = []  # (sequence, tile, group, slot)
+    for (t, ids), members in groups.items():
+        for c in range(0, len(members), slab_seqs):
+            chunk = members[c : c + slab_seqs]
+            g = len(q_index)
+            pad = slab_seqs - len(chunk)
+            q_index.append([seq_rows[m] for m in chunk] + [seq_rows[chunk[0]]] * pad)
+            blocks.extend(list(ids) + [0] * (per_tile - len(ids)))
+            tile_start.append(t * tile)
+            slot_len.append([seq_lens[m] for m in chunk] + [2**30] * pad)
+            for k, m in enumerate(chunk):
+                placement.append((m, t, g, k))
+    slot_g = torch.zeros((len(seq_rows), max_tiles), dtype=torch.int64)
+    slot_s = torch.zeros_like(slot_g)
+    absent = torch.ones((len(seq_rows), max_tiles, 1, 1), dtype=torch.bool)
+    for m, t, g, k in placement:
+        slot_g[m, t], slot_s[m, t], absent[m, t] = g, k, False
+    lens_rows = torch.tensor(slot_len, dtype=torch.int64).repeat_interleave(group, dim=1)
+    key_pos = torch.tensor(tile_start).view(-1, 1, 1) + torch.arange(tile).view(1, 1, -1)
+    bias = torch.zeros(key_pos.shape[0], lens_rows.shape[1], tile)
+    bias.masked_fill_(key_pos >= lens_rows.view(len(q_index), -1, 1), float("-inf"))
+    plan = _DecodePlan(
+        q_index=torch.tensor(q_index, dtype=torch.int64, device=device),
+        blocks=torch.tensor(blocks, dtype=torch.int64, device=device),
+        bias=bias.view(len(q_index), 1, -1, tile).to(device),
+        seq_rows=torch.tensor(seq_rows, dtype=torch.int64, device=device),
+        slot_g=slot_g.to(device),
+        slot_s=slot_s.to(device),
+        absent=absent.to(device),
+        last_tile=torch.tensor([n - 1 for n in seq_tiles], dtype=torch.int64, device=device),
+        slab_seqs=slab_seqs,
+    )
+    meta.scratch[key] = plan
+    return plan
+
+
+def _decode_attention(
+    q: torch.Tensor,  # [num_tokens, H, d]
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    rows: torch.Tensor,
-    seq_len: int,
+    plan: _DecodePlan,
     scale: float,
-) -> torch.Tensor:
-    """q: [H, d] of one decode token at position seq_len - 1 -> [H, d] float32. ``rows`` from
-    ``_head_major_rows``."""
-    num_heads, d = q.shape
-    kvh = k_cache.shape[2]
-    keys = k_cache.view(-1, d).index_select(0, rows).view(kvh, -1, d)  # [kvh, nblk * bs, d]
-    values = v_cache.view(-1, d).index_select(0, rows).view(kvh, -1, d)
-    qg = q.view(kvh, num_heads // kvh, d)
-    s = torch.matmul(qg, keys.transpose(1, 2)).float() * scale  # [kvh, g, nblk * bs]
-    s[..., seq_len:] = float("-inf")
-    p = torch.softmax(s, dim=-1)
-    o = torch.matmul(p.to(values.dtype), values)  # [kvh, g, d]
-    return o.reshape(num_heads, d)
+) -> torch.Tensor:  # [D, H, d] float32, in plan.seq_rows order
+    """Decode attention of all decode sequences of a step, tile groups at once.
+
+    Per group: scores of ``[S * group, d] x [d, tile]`` per KV head in one batched product
+    of fixed shape, the tile's own max, exp-sum and weighted values; then each sequence merges
+    its tiles in order 0, 1, ... (a running sum, exact for absent tiles), so a sequence's result
+    does not depend on which other sequences share the step or its groups.
+    """
+    num_tokens, num_heads, d = q.shape
+    nb, bs, kvh, _ = k_cache.shape
+    group = num_heads // kvh
+    G, S = plan.q_index.shape  # noqa: N806
+    rows = S * group
+    tile = plan.blocks.numel() // G * bs
+    qg = q[plan.q_index].view(G, S, kvh, group, d).permute(0, 2, 1, 3, 4)
+    qg = qg.reshape(G, kvh, rows, d)
+    keys = k_cache.view(nb, -1).index_select(0, plan.blocks).view(G, tile, kvh, d)
+    values = v_cache.view(nb, -1).index_select(0, plan.blocks).view(G, tile, kvh, d)
+    keys = keys.permute(0, 2, 3, 1).contiguous()  # [G, kvh, d, tile]
+    values = values.permute(0, 2, 1, 3).contiguous()  # [G, kvh, tile, d]
+    s = torch.matmul(qg, keys).float().mul_(scale).add_(plan.bias)  # [G, kvh, rows, tile]
+    m_t = s.amax(dim=-1)  # [G, kvh, rows]
+    p = torch.exp(s - m_t[..., None])
+    l_t = p.sum(dim=-1)
+    o_t = torch.matmul(p.to(values.dtype), values).float()  # [G, kvh, rows, d]
+
+    gi, si = plan.slot_g, plan.slot_s
+    m_all = m_t.view(G, kvh, S, group)[gi, :, si]  # [D, tiles, kvh, group]
+    m_all.masked_fill_(plan.absent, float("-inf"))
+    l_all = l_t.view(G, kvh, S, group)[gi, :, si]
+    o_all = o_t.view(G, kvh, S, group, d)[gi, :, si]  # [D, tiles, kvh, group, d]
+    m = m_all.amax(dim=1, keepdim=True)
+    w = torch.exp(m_all - m)  # absent tiles: 0
+    last = plan.last_tile.view(-1, 1, 1, 1)
+    l_sum = torch.cumsum(w * l_all, dim=1).gather(1, last.expand(-1, 1, kvh, group))
+    idx = last.view(-1, 1, 1, 1, 1).expand(-1, 1, kvh, group, d)
+    o_sum = torch.cumsum(w[..., None] * o_all, dim=1).gather(1, idx)
+    return (o_sum[:, 0] / l_sum[:, 0, ..., None]).reshape(-1, num_heads, d)
 
 
 def _attend_queries(
@@ -148,25 +251,27 @@ def _attend_queries(
     keys: torch.Tensor,  # [kvh, n_tiles * KEY_TILE, d]
     values: torch.Tensor,  # [kvh, n_tiles * KEY_TILE, d]
     scale: float,
+    first_pos: int = 0,  # the smallest of q_pos: tiles wholly before it need no mask
 ) -> torch.Tensor:  # [kvh, M, d] float32
     n_tiles = keys.shape[1] // KEY_TILE
     m = l = acc = None
     for t in range(n_tiles):
         lo = t * KEY_TILE
         k_t = keys[:, lo : lo + KEY_TILE]
-        s = torch.matmul(q, k_t.transpose(1, 2)).float() * scale  # [kvh, M, T]
-        key_pos = torch.arange(lo, lo + KEY_TILE, device=q.device)
-        s.masked_fill_(key_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        s = torch.matmul(q, k_t.transpose(1, 2)).float().mul_(scale)  # [kvh, M, T]
+        if lo + KEY_TILE - 1 > first_pos:  # some key lies after some query
+            key_pos = torch.arange(lo, lo + KEY_TILE, device=q.device)
+            s.masked_fill_(key_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
         s_max = s.amax(dim=-1)
         if m is None:  # tile 0 holds key 0, which every query sees
             m_new = s_max
-            p = torch.exp(s - m_new[..., None])
+            p = s.sub_(m_new[..., None]).exp_()
             l = p.sum(dim=-1)
             acc = torch.matmul(p.to(values.dtype), values[:, lo : lo + KEY_TILE]).float()
         else:
             m_new = torch.maximum(m, s_max)
             alpha = torch.exp(m - m_new)
-            p = torch.exp(s - m_new[..., None])
+            p = s.sub_(m_new[..., None]).exp_()
             l = l * alpha + p.sum(dim=-1)
             pv = torch.matmul(p.to(values.dtype), values[:, lo : lo + KEY_TILE]).float()
             acc = acc * alpha[..., None] + pv
@@ -193,6 +298,7 @@ def paged_attention_reference(
     if out is None:
         out = torch.empty_like(q)
     bs = k_cache.shape[1]
+    any_decode = False
     start = 0
     for i, (sl, ql, nblk, decode) in enumerate(
         zip(
@@ -205,10 +311,7 @@ def paged_attention_reference(
     ):
         block_ids = meta.block_tables[i, :nblk].to(torch.int64)
         if decode:
-            rows = meta.scratch.get(i)
-            if rows is None:
-                rows = meta.scratch[i] = _head_major_rows(block_ids, bs, kvh)
-            out[start] = _decode_one(q[start], k_cache, v_cache, rows, sl, scale)
+            any_decode = True
             start += 1
             continue
         first_pos = sl - ql
@@ -232,8 +335,12 @@ def paged_attention_reference(
                 pos[n:] = last_pos
             # [slab, kvh, group, d] -> [kvh, group * slab, d]; row = g * slab + j
             qg = qs.view(slab, kvh, group, d).permute(1, 2, 0, 3).reshape(kvh, group * slab, d)
-            o = _attend_queries(qg, pos.repeat(group), keys, values, scale)
+            o = _attend_queries(qg, pos.repeat(group), keys, values, scale, first_pos + s0)
             o = o.view(kvh, group, slab, d).permute(2, 0, 1, 3).reshape(slab, num_heads, d)
             out[start + s0 : start + s0 + n] = o[:n].to(out.dtype)
         start += ql
+    if any_decode:
+        plan = _decode_plan(meta, bs, group, q.device)
+        o = _decode_attention(q, k_cache, v_cache, plan, scale)
+        out.index_copy_(0, plan.seq_rows, o.to(out.dtype))
     return out
