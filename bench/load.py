@@ -36,10 +36,34 @@ sys.path.insert(0, str(ROOT / "tests"))
 from bench.ttft import manual_text  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-WORDS = (
-    "valve pump filter pressure manual reset cycle mode option archive extract compress list "
-    "error status file folder key button display power cable light sensor alarm timer"
-).split()
+WORDS = [
+    "valve",
+    "pump",
+    "filter",
+    "pressure",
+    "manual",
+    "reset",
+    "cycle",
+    "mode",
+    "option",
+    "archive",
+    "extract",
+    "compress",
+    "list",
+    "error",
+    "status",
+    "file",
+    "folder",
+    "key",
+    "button",
+    "display",
+    "power",
+    "cable",
+    "light",
+    "sensor",
+    "alarm",
+    "timer",
+]
 LLAMA_CPP_DECODE_TOK_S = 94  # llama.cpp's llama-server, same model, this machine
 
 

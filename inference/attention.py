@@ -344,3 +344,113 @@ def paged_attention_reference(
         o = _decode_attention(q, k_cache, v_cache, plan, scale)
         out.index_copy_(0, plan.seq_rows, o.to(out.dtype))
     return out
+
+
+# -- backends ------------------------------------------------------------------------------------
+BACKENDS = ("auto", "torch", "triton")
+
+
+def resolve_backend(name: str | None, device: torch.device) -> str:
+    """``auto``: Triton kernels on CUDA, the torch reference on CPU. ``triton`` on a CPU needs
+    ``TRITON_INTERPRET=1`` (tests); ``DOCQA_ATTENTION_BACKEND`` sets the default."""
+    import os
+
+    name = (name or os.environ.get("DOCQA_ATTENTION_BACKEND") or "auto").lower()
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the triton backend needs a CUDA device (or TRITON_INTERPRET=1)")
+    return name
+
+
+class TorchBackend:
+    name = "torch"
+
+    def store_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        store_kv_reference(key, value, k_cache, v_cache, meta.slot_mapping)
+
+    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale)
+
+
+class TritonBackend:
+    """The Triton kernels: decode tokens through ``paged_decode_attention``, prompt chunks
+    through ``paged_prefill_attention``, each on its own rows, so a decode token's result does
+    not depend on whether prompt chunks share its step."""
+
+    name = "triton"
+
+    def __init__(self):
+        from inference import triton_attention
+
+        self.k = triton_attention
+
+    def store_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        self.k.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+
+    def _split(self, meta: AttentionMetadata, device):
+        plan = meta.scratch.get("triton")
+        if plan is not None:
+            return plan
+        dec_rows, dec_seqs, pre_rows, pre_seqs, cu, max_q = [], [], [], [], [0], 0
+        start = 0
+        for i, (ql, dec) in enumerate(zip(meta.query_lens_list, meta.is_decode_list, strict=True)):
+            if dec:
+                dec_rows.append(start)
+                dec_seqs.append(i)
+            else:
+                pre_rows.extend(range(start, start + ql))
+                pre_seqs.append(i)
+                cu.append(cu[-1] + ql)
+                max_q = max(max_q, ql)
+            start += ql
+
+        def t(x):
+            return torch.tensor(x, dtype=torch.int64, device=device)
+
+        bt, sl = meta.block_tables, meta.seq_lens
+        plan = {
+            "dec_rows": t(dec_rows),
+            "dec_tables": bt[t(dec_seqs)].contiguous() if dec_seqs else None,
+            "dec_lens": sl[t(dec_seqs)].contiguous() if dec_seqs else None,
+            "pre_rows": t(pre_rows),
+            "pre_tables": bt[t(pre_seqs)].contiguous() if pre_seqs else None,
+            "pre_lens": sl[t(pre_seqs)].contiguous() if pre_seqs else None,
+            "cu": torch.tensor(cu, dtype=torch.int32, device=device),
+            "max_q": max_q,
+        }
+        meta.scratch["triton"] = plan
+        return plan
+
+    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        p = self._split(meta, q.device)
+        out = torch.empty_like(q)
+        if p["dec_tables"] is not None:
+            o = self.k.paged_decode_attention(
+                q.index_select(0, p["dec_rows"]),
+                k_cache,
+                v_cache,
+                p["dec_tables"],
+                p["dec_lens"],
+                scale,
+            )
+            out.index_copy_(0, p["dec_rows"], o)
+        if p["pre_tables"] is not None:
+            o = self.k.paged_prefill_attention(
+                q.index_select(0, p["pre_rows"]),
+                k_cache,
+                v_cache,
+                p["pre_tables"],
+                p["cu"],
+                p["pre_lens"],
+                scale,
+                max_query_len=p["max_q"],
+            )
+            out.index_copy_(0, p["pre_rows"], o)
+        return out
+
+
+def make_backend(name: str) -> TorchBackend | TritonBackend:
+    return TritonBackend() if name == "triton" else TorchBackend()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from inference.attention import AttentionMetadata
+from inference.attention import AttentionMetadata, make_backend, resolve_backend
 from inference.config import ModelConfig, dtype_name, parse_dtype
 from inference.errors import DocqaError, ModelError, PromptTooLongError
 from inference.kv_sizing import KVCacheSpec, size_kv_cache
@@ -81,6 +81,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     pin_budget: float = 0.25  # share of the KV pool that pinned prefixes may hold
+    attention_backend: str | None = None  # auto | torch | triton (env DOCQA_ATTENTION_BACKEND)
+    random_weights_seed: int | None = None  # benchmarks: random weights, no weight files
     num_threads: int | None = None  # torch CPU threads; None keeps torch's default
 
     def __post_init__(self):
@@ -113,7 +115,14 @@ class LLMEngine:
         self.model_config = ModelConfig.from_file(model_dir)
         self.tokenizer = TextTokenizer(model_dir)
         t0 = time.perf_counter()
-        self.model = LlamaModel.from_pretrained(model_dir, self.dtype, self.device)
+        if config.random_weights_seed is not None:
+            self.model = LlamaModel.random(
+                model_dir, self.dtype, self.device, config.random_weights_seed
+            )
+        else:
+            self.model = LlamaModel.from_pretrained(model_dir, self.dtype, self.device)
+        self.attention_backend = resolve_backend(config.attention_backend, self.device)
+        self.model.attn_backend = make_backend(self.attention_backend)
         log.info(
             "loaded %s (%s, %s) in %.1f s",
             model_dir.name,
@@ -140,7 +149,7 @@ class LLMEngine:
         for line in self.kv_spec.log_lines():
             log.info(line)
         self.fingerprint = model_fingerprint(
-            model_dir, self.dtype, self.kv_dtype, config.block_size
+            model_dir, self.dtype, self.kv_dtype, config.block_size, config.random_weights_seed
         )
         self.kv_manager = KVCacheManager(
             self.kv_spec.num_blocks, config.block_size, self.fingerprint

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from inference.attention import AttentionMetadata, paged_attention_reference, store_kv_reference
+from inference.attention import AttentionMetadata, TorchBackend
 from inference.config import ModelConfig, dtype_name
 from inference.errors import ModelError
 from inference.layers import LINEAR_ROW_SLAB, Linear, RotaryTable, rms_norm
@@ -59,7 +59,11 @@ def file_sha256(path: Path) -> str:
 
 
 def model_fingerprint(
-    model_dir: Path, dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int
+    model_dir: Path,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    block_size: int,
+    random_seed: int | None = None,
 ) -> bytes:
     """Content hash of a model as the prefix cache sees it (CONTRACTS.md, "Prefix hashing").
 
@@ -69,8 +73,11 @@ def model_fingerprint(
     model_dir = Path(model_dir)
     h = hashlib.sha256()
     h.update((model_dir / "config.json").read_bytes())
-    for f in _weight_files(model_dir):
-        h.update(bytes.fromhex(file_sha256(f)))
+    if random_seed is not None:
+        h.update(f"random-weights:{random_seed}".encode())
+    else:
+        for f in _weight_files(model_dir):
+            h.update(bytes.fromhex(file_sha256(f)))
     tok = model_dir / "tokenizer.json"
     if tok.is_file():
         h.update(tok.read_bytes())
@@ -89,8 +96,11 @@ class LlamaModel:
         self.layers: list[LayerWeights] = []
         self.rotary = RotaryTable(cfg, cfg.max_position_embeddings, dtype, self.device)
         self.scale = cfg.head_dim**-0.5
-        # bf16 rows are batch-invariant in slabs of 32 (layers.py); fp32 has no such path
-        self.row_slab = LINEAR_ROW_SLAB if dtype == torch.bfloat16 else None
+        self.attn_backend = TorchBackend()  # the engine sets the configured backend
+        # on this CPU bf16 rows are batch-invariant in slabs of 32 (layers.py); fp32 has no
+        # such path, and on CUDA slabs would only cost speed
+        cpu_bf16 = dtype == torch.bfloat16 and self.device.type == "cpu"
+        self.row_slab = LINEAR_ROW_SLAB if cpu_bf16 else None
 
     # -- loading ------------------------------------------------------------------------------
     @classmethod
@@ -106,6 +116,47 @@ class LlamaModel:
                 for name in sf.keys():  # noqa: SIM118 - safe_open has no __iter__
                     tensors[name] = sf.get_tensor(name)
         model.load_state_dict(tensors)
+        return model
+
+    @classmethod
+    def random(
+        cls, model_dir: Path, dtype: torch.dtype, device: torch.device | str, seed: int = 0
+    ) -> LlamaModel:
+        """Random weights of the shape config.json describes, made on the device (benchmarks
+        of large shapes without weight files)."""
+        cfg = ModelConfig.from_file(Path(model_dir))
+        model = cls(cfg, dtype, device)
+        gen = torch.Generator(device=model.device).manual_seed(seed)
+        h, d = cfg.hidden_size, cfg.head_dim
+        shapes = {
+            "model.embed_tokens.weight": (cfg.vocab_size, h),
+            "model.norm.weight": (h,),
+        }
+        if not cfg.tie_word_embeddings:
+            shapes["lm_head.weight"] = (cfg.vocab_size, h)
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            shapes.update(
+                {
+                    p + "input_layernorm.weight": (h,),
+                    p + "post_attention_layernorm.weight": (h,),
+                    p + "self_attn.q_proj.weight": (cfg.num_heads * d, h),
+                    p + "self_attn.k_proj.weight": (cfg.num_kv_heads * d, h),
+                    p + "self_attn.v_proj.weight": (cfg.num_kv_heads * d, h),
+                    p + "self_attn.o_proj.weight": (h, cfg.num_heads * d),
+                    p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
+                    p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
+                    p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
+                }
+            )
+        sd = {}
+        for name, shape in shapes.items():
+            if name.endswith("norm.weight"):
+                sd[name] = torch.ones(shape, dtype=dtype, device=model.device)
+            else:
+                t = torch.empty(shape, dtype=dtype, device=model.device)
+                sd[name] = t.normal_(0.0, 0.02, generator=gen)
+        model.load_state_dict(sd)
         return model
 
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
@@ -206,8 +257,8 @@ class LlamaModel:
             v = qkv[:, qd + kd :].view(n, cfg.num_kv_heads, cfg.head_dim)
             q = self.rotary.apply(q, positions)
             k = self.rotary.apply(k, positions)
-            store_kv_reference(k, v, k_cache, v_cache, meta.slot_mapping)
-            attn = paged_attention_reference(q, k_cache, v_cache, meta, self.scale)
+            self.attn_backend.store_kv(k, v, k_cache, v_cache, meta)
+            attn = self.attn_backend.attention(q, k_cache, v_cache, meta, self.scale)
             h = h + lw.o_proj(attn.reshape(n, qd))
             x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
             gu = lw.gate_up(x)  # [N, 2I]

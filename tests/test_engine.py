@@ -184,3 +184,13 @@ def test_admission_prefers_the_longest_cached_prefix(tiny_model_dir):
     first = out.chunks[0].request
     assert first is hit and out.chunks[0].num_context_tokens == 96
     assert any(c.request is cold for c in out.chunks)  # the cold one still gets the rest
+
+
+def test_random_weights_for_benchmarks(tiny_model_dir):
+    a = LLM(tiny_model_dir, dtype="float32", kv_cache_gib=0.002, random_weights_seed=1).engine
+    b = LLM(tiny_model_dir, dtype="float32", kv_cache_gib=0.002).engine
+    assert a.fingerprint != b.fingerprint
+    out = a.add_request(list(range(50, 70)), SamplingParams(max_tokens=3, ignore_eos=True))
+    while not out.finished:
+        a.step()
+    assert len(out.output_token_ids) == 3

@@ -1,0 +1,456 @@
+"""Triton kernels for the paged KV cache (CONTRACTS.md, "Paged KV layout and kernels").
+
+- ``store_kv``: scatter new K/V rows into the paged cache (slot -1 skipped).
+- ``paged_decode_attention``: one query token per sequence, split along the context in
+  partitions of ``DECODE_PARTITION`` keys, then a reduction pass over the partitions in order.
+  The partition size is fixed, so a sequence's reduction never depends on the batch.
+- ``paged_prefill_attention``: causal attention of each sequence's new tokens over its cached
+  prefix plus themselves (varlen, ``cu_seqlens_q``).
+
+Every dot product takes at least 16 rows, columns and depth (what the GPU compiler accepts for
+16-bit inputs): query groups are padded to 16 rows, keys are read a whole KV block (16 or more
+tokens) at a time. fp32 inputs use ``input_precision="ieee"`` (a GPU otherwise uses tf32).
+Softmax statistics are kept in fp32.
+
+On a machine without a GPU these kernels run under Triton's interpreter: set
+``TRITON_INTERPRET=1`` before this module is imported.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+DECODE_PARTITION = 512  # keys per decode split; fixed for batch invariance
+PREFILL_BLOCK_M = 16  # queries per prefill program
+_MIN_DOT = 16
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
+    nb, bs, kvh, d = k_cache.shape
+    if bs < _MIN_DOT or bs & (bs - 1):
+        raise ValueError(f"block_size must be a power of two >= {_MIN_DOT}, got {bs}")
+    return nb, bs, kvh, d
+
+
+def _check_int(t: torch.Tensor, name: str, dim: int) -> None:
+    if t.dtype not in (torch.int32, torch.int64) or t.dim() != dim:
+        raise ValueError(f"{name} must be a {dim}-d int32/int64 tensor, got {t.dtype} {t.dim()}-d")
+
+
+# -- store_kv ------------------------------------------------------------------------------------
+@triton.jit
+def _store_kv_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    KVH: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    slots = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.int64) + slot
+    mask = (h < KVH) & (d < D) & (slots >= 0)
+    k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    dst = slot * (KVH * D) + h * D + d
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens], -1 = skip
+) -> None:
+    nb, bs, kvh, d = _check_cache(k_cache, v_cache)
+    if key.shape != value.shape or key.dim() != 3 or key.shape[1:] != (kvh, d):
+        raise ValueError(
+            f"key and value must be [num_tokens, {kvh}, {d}], got {tuple(key.shape)} and "
+            f"{tuple(value.shape)}"
+        )
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError("key and value must be contiguous in head_dim")
+    _check_int(slot_mapping, "slot_mapping", 1)
+    if slot_mapping.numel() != key.shape[0]:
+        raise ValueError("slot_mapping needs one slot per token")
+    n = key.shape[0]
+    if n == 0:
+        return
+    _store_kv_kernel[(n,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        KVH=kvh,
+        D=d,
+        BLOCK_H=_pow2(kvh),
+        BLOCK_D=_pow2(d),
+    )
+
+
+# -- decode --------------------------------------------------------------------------------------
+@triton.jit
+def _decode_partition_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    part_out_ptr,  # [num_seqs, num_heads, max_parts, D] fp32
+    part_m_ptr,  # [num_seqs, num_heads, max_parts] fp32
+    part_l_ptr,
+    scale,
+    stride_qs,
+    stride_qh,
+    stride_bt,
+    max_parts,
+    KVH: tl.constexpr,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PARTITION: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    s = tl.program_id(0)
+    kvh = tl.program_id(1)
+    part = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + s)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + g
+    g_mask = g < GROUP
+    d_mask = d < D
+    q = tl.load(
+        q_ptr + s * stride_qs + heads[:, None] * stride_qh + d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    start = part * PARTITION
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    offs = tl.arange(0, BS)
+    for j in range(0, PARTITION // BS):
+        pos0 = start + j * BS
+        if pos0 < seq_len:
+            blk = tl.load(block_tables_ptr + s * stride_bt + pos0 // BS).to(tl.int64)
+            row = (blk * BS + offs) * (KVH * D) + kvh * D
+            kv_mask = d_mask[None, :]
+            k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if IEEE:  # noqa: SIM108 - constexpr branch, resolved at compile time
+                sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                sc = tl.dot(q, tl.trans(k))
+            sc = sc.to(tl.float32) * scale
+            sc = tl.where((pos0 + offs)[None, :] < seq_len, sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+    base = (s * (KVH * GROUP) + heads) * max_parts + part
+    tl.store(part_m_ptr + base, m_i, mask=g_mask)
+    tl.store(part_l_ptr + base, l_i, mask=g_mask)
+    tl.store(
+        part_out_ptr + base[:, None] * D + d[None, :],
+        acc,
+        mask=g_mask[:, None] & d_mask[None, :],
+    )
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    stride_os,
+    stride_oh,
+    max_parts,
+    NUM_HEADS: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PARTITION: tl.constexpr,
+):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + s)
+    n_parts = tl.cdiv(seq_len, PARTITION)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < D
+    base = (s * NUM_HEADS + h) * max_parts
+    m = tl.full([1], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([1], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for p in range(0, n_parts):  # in order: the reduction never depends on the batch
+        m_p = tl.load(part_m_ptr + base + p + tl.zeros([1], dtype=tl.int32))
+        l_p = tl.load(part_l_ptr + base + p + tl.zeros([1], dtype=tl.int32))
+        o_p = tl.load(part_out_ptr + (base + p) * D + d, mask=d_mask, other=0.0)
+        m_new = tl.maximum(m, m_p)
+        a = tl.exp(m - m_new)
+        b = tl.exp(m_p - m_new)
+        l = l * a + l_p * b
+        acc = acc * a + o_p * b
+        m = m_new
+    res = (acc / l).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + s * stride_os + h * stride_oh + d, res, mask=d_mask)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+    seq_lens: torch.Tensor,  # [num_seqs]
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    nb, bs, kvh, d = _check_cache(k_cache, v_cache)
+    if q.dim() != 3 or q.shape[2] != d or q.shape[1] % kvh:
+        raise ValueError(
+            f"q must be [num_seqs, num_heads, {d}] with num_heads a multiple of {kvh}, "
+            f"got {tuple(q.shape)}"
+        )
+    if q.stride(-1) != 1:
+        raise ValueError("q must be contiguous in head_dim")
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q is {q.dtype} but the cache is {k_cache.dtype}")
+    _check_int(block_tables, "block_tables", 2)
+    _check_int(seq_lens, "seq_lens", 1)
+    num_seqs, num_heads, _ = q.shape
+    if block_tables.shape[0] != num_seqs or seq_lens.numel() != num_seqs:
+        raise ValueError("block_tables and seq_lens need one row per sequence")
+    if block_tables.stride(-1) != 1:
+        raise ValueError("block_tables must be contiguous in its last dimension")
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)}, contiguous in head_dim")
+    if num_seqs == 0:
+        return out
+    max_len = max(1, block_tables.shape[1] * bs)
+    max_parts = -(-max_len // DECODE_PARTITION)
+    part_out = torch.empty(num_seqs, num_heads, max_parts, d, dtype=torch.float32, device=q.device)
+    part_m = torch.empty(num_seqs, num_heads, max_parts, dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    group = num_heads // kvh
+    _decode_partition_kernel[(num_seqs, kvh, max_parts)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        part_out,
+        part_m,
+        part_l,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        block_tables.stride(0),
+        max_parts,
+        KVH=kvh,
+        GROUP=group,
+        D=d,
+        BS=bs,
+        BLOCK_G=max(_MIN_DOT, _pow2(group)),
+        BLOCK_D=max(_MIN_DOT, _pow2(d)),
+        PARTITION=DECODE_PARTITION,
+        IEEE=q.dtype == torch.float32,
+    )
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        part_out,
+        part_m,
+        part_l,
+        seq_lens,
+        out,
+        out.stride(0),
+        out.stride(1),
+        max_parts,
+        NUM_HEADS=num_heads,
+        D=d,
+        BLOCK_D=_pow2(d),
+        PARTITION=DECODE_PARTITION,
+    )
+    return out
+
+
+# -- prefill -------------------------------------------------------------------------------------
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    cu_q_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    KVH: tl.constexpr,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    mb = tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + s)
+    q_len = tl.load(cu_q_ptr + s + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + s)
+    if mb * BLOCK_M < q_len:
+        kvh = h // GROUP
+        i = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, BLOCK_D)
+        i_mask = i < q_len
+        d_mask = d < D
+        q_pos = seq_len - q_len + i
+        q = tl.load(
+            q_ptr + (q_start + i)[:, None] * stride_qt + h * stride_qh + d[None, :],
+            mask=i_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        offs = tl.arange(0, BS)
+        last = seq_len - q_len + tl.minimum(mb * BLOCK_M + BLOCK_M, q_len)  # keys needed
+        for j in range(0, tl.cdiv(last, BS)):
+            blk = tl.load(block_tables_ptr + s * stride_bt + j).to(tl.int64)
+            row = (blk * BS + offs) * (KVH * D) + kvh * D
+            k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
+            v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
+            if IEEE:  # noqa: SIM108 - constexpr branch, resolved at compile time
+                sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                sc = tl.dot(q, tl.trans(k))
+            sc = sc.to(tl.float32) * scale
+            k_pos = j * BS + offs
+            sc = tl.where(k_pos[None, :] <= q_pos[:, None], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        res = acc / l_i[:, None]
+        tl.store(
+            out_ptr + (q_start + i)[:, None] * stride_ot + h * stride_oh + d[None, :],
+            res.to(out_ptr.dtype.element_ty),
+            mask=i_mask[:, None] & d_mask[None, :],
+        )
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1]
+    seq_lens: torch.Tensor,  # [num_seqs]
+    scale: float,
+    out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    nb, bs, kvh, d = _check_cache(k_cache, v_cache)
+    if q.dim() != 3 or q.shape[2] != d or q.shape[1] % kvh:
+        raise ValueError(
+            f"q must be [num_tokens, num_heads, {d}] with num_heads a multiple of {kvh}, "
+            f"got {tuple(q.shape)}"
+        )
+    if q.stride(-1) != 1:
+        raise ValueError("q must be contiguous in head_dim")
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q is {q.dtype} but the cache is {k_cache.dtype}")
+    _check_int(block_tables, "block_tables", 2)
+    _check_int(cu_seqlens_q, "cu_seqlens_q", 1)
+    _check_int(seq_lens, "seq_lens", 1)
+    num_seqs = seq_lens.numel()
+    if cu_seqlens_q.numel() != num_seqs + 1 or block_tables.shape[0] != num_seqs:
+        raise ValueError("cu_seqlens_q needs num_seqs + 1 entries and block_tables num_seqs rows")
+    if block_tables.stride(-1) != 1:
+        raise ValueError("block_tables must be contiguous in its last dimension")
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)}, contiguous in head_dim")
+    if num_seqs == 0 or q.shape[0] == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    num_heads = q.shape[1]
+    grid = (num_seqs, num_heads, -(-max_query_len // PREFILL_BLOCK_M))
+    _prefill_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        seq_lens,
+        out,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        KVH=kvh,
+        GROUP=num_heads // kvh,
+        D=d,
+        BS=bs,
+        BLOCK_M=PREFILL_BLOCK_M,
+        BLOCK_D=max(_MIN_DOT, _pow2(d)),
+        IEEE=q.dtype == torch.float32,
+    )
+    return out

@@ -1,0 +1,169 @@
+"""The Triton kernels under TRITON_INTERPRET=1 against a float64 torch reference.
+
+Random shapes with GQA ratios 1, 3 and 8, block sizes 16 and 32, lengths that are not
+multiples of the block size, shuffled block tables, outputs poisoned before each run and fresh
+inputs each time. Kept small: the interpreter runs each program in numpy.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from inference import triton_attention as ta  # noqa: E402
+
+POISON = float("nan")
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+CASES = [  # (num_heads, num_kv_heads, head_dim, block_size)
+    (4, 4, 32, 16),  # GQA ratio 1
+    (6, 2, 32, 32),  # ratio 3
+    (8, 1, 16, 16),  # ratio 8
+]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+def make_cache(gen, num_blocks, bs, kvh, d, dtype):
+    k = torch.randn(num_blocks, bs, kvh, d, generator=gen).to(dtype)
+    v = torch.randn(num_blocks, bs, kvh, d, generator=gen).to(dtype)
+    return k, v
+
+
+def shuffled_tables(gen, lens, bs, num_blocks):
+    """Each sequence gets distinct blocks in random order, padded with 0."""
+    need = [-(-n // bs) for n in lens]
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(need)
+    table = torch.zeros(len(lens), width, dtype=torch.int32)
+    for i, n in enumerate(need):
+        table[i, :n] = torch.tensor(perm[:n])
+        perm = perm[n:]
+    return table
+
+
+def ref_attention(q, k_cache, v_cache, table, seq_lens, q_lens, scale):
+    """float64: queries of each sequence are its last q_len positions, causal."""
+    _, bs, kvh, d = k_cache.shape
+    heads = q.shape[1]
+    group = heads // kvh
+    out = torch.empty(q.shape, dtype=torch.float64)
+    row = 0
+    for i, (sl, ql) in enumerate(zip(seq_lens, q_lens, strict=True)):
+        blocks = table[i, : -(-sl // bs)].long()
+        keys = k_cache[blocks].reshape(-1, kvh, d)[:sl].double()
+        vals = v_cache[blocks].reshape(-1, kvh, d)[:sl].double()
+        for j in range(ql):
+            pos = sl - ql + j
+            for h in range(heads):
+                kh = h // group
+                s = keys[: pos + 1, kh] @ q[row + j, h].double() * scale
+                p = torch.softmax(s, 0)
+                out[row + j, h] = p @ vals[: pos + 1, kh]
+        row += ql
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,kvh,d,bs", CASES)
+def test_store_kv(dtype, heads, kvh, d, bs):
+    gen = torch.Generator().manual_seed(hash((heads, bs, str(dtype))) % 2**31)
+    nb = 6
+    k_cache, v_cache = make_cache(gen, nb, bs, kvh, d, dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    n = 11
+    key = torch.randn(n, kvh, d, generator=gen).to(dtype)
+    value = torch.randn(n, kvh, d, generator=gen).to(dtype)
+    slots = torch.randperm(nb * bs, generator=gen)[:n]
+    slots[3] = -1
+    slots[7] = -1
+    ta.store_kv(key, value, k_cache, v_cache, slots)
+    keep = slots >= 0
+    k_ref.view(-1, kvh, d)[slots[keep]] = key[keep]
+    v_ref.view(-1, kvh, d)[slots[keep]] = value[keep]
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,kvh,d,bs", CASES)
+def test_paged_decode_attention(dtype, heads, kvh, d, bs, monkeypatch):
+    monkeypatch.setattr(ta, "DECODE_PARTITION", 2 * bs)  # several partitions, small inputs
+    gen = torch.Generator().manual_seed(hash((heads, bs, str(dtype), "d")) % 2**31)
+    lens = [int(x) for x in torch.randint(1, 5 * bs, (3,), generator=gen)]
+    lens[0] = 3 * bs + 5  # spans partitions, not a multiple of the block size
+    nb = sum(-(-n // bs) for n in lens) + 3
+    k_cache, v_cache = make_cache(gen, nb, bs, kvh, d, dtype)
+    table = shuffled_tables(gen, lens, bs, nb)
+    q = torch.randn(len(lens), heads, d, generator=gen).to(dtype)
+    out = torch.full_like(q, POISON)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    ta.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, d**-0.5, out=out)
+    assert not torch.isnan(out).any(), "a poisoned output element was not written"
+    ref = ref_attention(q, k_cache, v_cache, table, lens, [1] * len(lens), d**-0.5)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,kvh,d,bs", CASES)
+def test_paged_prefill_attention(dtype, heads, kvh, d, bs):
+    gen = torch.Generator().manual_seed(hash((heads, bs, str(dtype), "p")) % 2**31)
+    # (cached prefix, new tokens): cold, over a cached prefix, one token, longer than a block
+    shapes = [(0, 19), (2 * bs + 3, 7), (bs - 1, 1), (5, bs + 9)]
+    lens = [c + n for c, n in shapes]
+    q_lens = [n for _, n in shapes]
+    nb = sum(-(-n // bs) for n in lens) + 2
+    k_cache, v_cache = make_cache(gen, nb, bs, kvh, d, dtype)
+    table = shuffled_tables(gen, lens, bs, nb)
+    q = torch.randn(sum(q_lens), heads, d, generator=gen).to(dtype)
+    out = torch.full_like(q, POISON)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    ta.paged_prefill_attention(q, k_cache, v_cache, table, cu, seq_lens, d**-0.5, out=out)
+    assert not torch.isnan(out).any(), "a poisoned output element was not written"
+    ref = ref_attention(q, k_cache, v_cache, table, lens, q_lens, d**-0.5)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_wrappers_check_their_inputs():
+    k = torch.zeros(4, 16, 2, 32)
+    q = torch.zeros(2, 4, 32)
+    table = torch.zeros(2, 2, dtype=torch.int32)
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_size"):
+        ta.paged_decode_attention(q, torch.zeros(4, 8, 2, 32), torch.zeros(4, 8, 2, 32),
+                                  table, lens, 1.0)  # fmt: skip
+    with pytest.raises(ValueError, match="num_heads a multiple"):
+        ta.paged_decode_attention(torch.zeros(2, 3, 32), k, k.clone(), table, lens, 1.0)
+    with pytest.raises(ValueError, match="q is"):
+        ta.paged_decode_attention(q.half(), k, k.clone(), table, lens, 1.0)
+    with pytest.raises(ValueError, match="int32/int64"):
+        ta.paged_decode_attention(q, k, k.clone(), table.float(), lens, 1.0)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        ta.paged_prefill_attention(q, k, k.clone(), table, lens, lens, 1.0)
+    with pytest.raises(ValueError, match="slot per token"):
+        ta.store_kv(torch.zeros(3, 2, 32), torch.zeros(3, 2, 32), k, k.clone(), lens)
+
+
+def test_engine_with_the_triton_backend_matches_the_torch_backend(tiny_model_dir):
+    from inference import LLM, SamplingParams
+
+    prompts = [list(range(100, 137)), list(range(300, 309))]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(tiny_model_dir, dtype="float32", kv_cache_gib=0.002, attention_backend=backend)
+        assert llm.engine.attention_backend == backend
+        eng = llm.engine
+        reqs = [eng.add_request(p, params, keep_logits=True) for p in prompts]
+        while any(not r.finished for r in reqs):
+            eng.step()
+        outs[backend] = reqs
+    for a, b in zip(outs["torch"], outs["triton"], strict=True):
+        assert a.output_token_ids == b.output_token_ids
+        for la, lb in zip(a.logits, b.logits, strict=True):
+            torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-4)
