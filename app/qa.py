@@ -321,21 +321,26 @@ class QAService:
                 await asyncio.sleep(0.01 * (attempt + 1))
         raise RuntimeError(f"could not store a turn of {job.conversation_id}")
 
+    async def text_deltas(self, handle: RequestHandle) -> AsyncIterator[str]:
+        """The answer's text as it grows, one non-empty delta per engine step."""
+        decoder = IncrementalDecoder(self.runner.engine.tokenizer)
+        while True:
+            ids = await handle.tokens.get()
+            if ids is None:
+                return
+            delta = decoder.push(ids)
+            if delta:
+                yield delta
+
     async def stream(
         self, handle: RequestHandle, task: asyncio.Task, *, final_event: str = "answer"
     ) -> AsyncIterator[bytes]:
         """Native SSE: ``event: token`` with text deltas, then ``event: answer`` with the whole
         answer object. A client that goes away cancels the request (the task stores the
         partial answer with finish reason ``cancelled``)."""
-        decoder = IncrementalDecoder(self.runner.engine.tokenizer)
         try:
-            while True:
-                ids = await handle.tokens.get()
-                if ids is None:
-                    break
-                delta = decoder.push(ids)
-                if delta:
-                    yield sse("token", {"text": delta})
+            async for delta in self.text_deltas(handle):
+                yield sse("token", {"text": delta})
             try:
                 answer = await asyncio.shield(task)
             except Exception as e:

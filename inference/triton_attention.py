@@ -52,6 +52,40 @@ def _check_int(t: torch.Tensor, name: str, dim: int) -> None:
         raise ValueError(f"{name} must be a {dim}-d int32/int64 tensor, got {t.dtype} {t.dim()}-d")
 
 
+def _check_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor | None,
+    rows: str,
+) -> tuple[int, int, int, torch.Tensor]:
+    """Shapes, strides and dtypes shared by both attention entry points; returns
+    (block_size, num_kv_heads, head_dim, out)."""
+    _, bs, kvh, d = _check_cache(k_cache, v_cache)
+    if q.dim() != 3 or q.shape[2] != d or q.shape[1] % kvh:
+        raise ValueError(
+            f"q must be [{rows}, num_heads, {d}] with num_heads a multiple of {kvh}, "
+            f"got {tuple(q.shape)}"
+        )
+    if q.stride(-1) != 1:
+        raise ValueError("q must be contiguous in head_dim")
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q is {q.dtype} but the cache is {k_cache.dtype}")
+    _check_int(block_tables, "block_tables", 2)
+    _check_int(seq_lens, "seq_lens", 1)
+    if block_tables.shape[0] != seq_lens.numel():
+        raise ValueError("block_tables needs one row per sequence")
+    if block_tables.stride(-1) != 1:
+        raise ValueError("block_tables must be contiguous in its last dimension")
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)}, contiguous in head_dim")
+    return bs, kvh, d, out
+
+
 # -- store_kv ------------------------------------------------------------------------------------
 @triton.jit
 def _store_kv_kernel(
@@ -246,27 +280,10 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    nb, bs, kvh, d = _check_cache(k_cache, v_cache)
-    if q.dim() != 3 or q.shape[2] != d or q.shape[1] % kvh:
-        raise ValueError(
-            f"q must be [num_seqs, num_heads, {d}] with num_heads a multiple of {kvh}, "
-            f"got {tuple(q.shape)}"
-        )
-    if q.stride(-1) != 1:
-        raise ValueError("q must be contiguous in head_dim")
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"q is {q.dtype} but the cache is {k_cache.dtype}")
-    _check_int(block_tables, "block_tables", 2)
-    _check_int(seq_lens, "seq_lens", 1)
+    bs, kvh, d, out = _check_attention(q, k_cache, v_cache, block_tables, seq_lens, out, "num_seqs")
     num_seqs, num_heads, _ = q.shape
-    if block_tables.shape[0] != num_seqs or seq_lens.numel() != num_seqs:
-        raise ValueError("block_tables and seq_lens need one row per sequence")
-    if block_tables.stride(-1) != 1:
-        raise ValueError("block_tables must be contiguous in its last dimension")
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.stride(-1) != 1:
-        raise ValueError(f"out must be {tuple(q.shape)}, contiguous in head_dim")
+    if seq_lens.numel() != num_seqs:
+        raise ValueError("seq_lens needs one entry per query row")
     if num_seqs == 0:
         return out
     max_len = max(1, block_tables.shape[1] * bs)
@@ -403,28 +420,13 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
 ) -> torch.Tensor:
-    nb, bs, kvh, d = _check_cache(k_cache, v_cache)
-    if q.dim() != 3 or q.shape[2] != d or q.shape[1] % kvh:
-        raise ValueError(
-            f"q must be [num_tokens, num_heads, {d}] with num_heads a multiple of {kvh}, "
-            f"got {tuple(q.shape)}"
-        )
-    if q.stride(-1) != 1:
-        raise ValueError("q must be contiguous in head_dim")
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"q is {q.dtype} but the cache is {k_cache.dtype}")
-    _check_int(block_tables, "block_tables", 2)
+    bs, kvh, d, out = _check_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, out, "num_tokens"
+    )
     _check_int(cu_seqlens_q, "cu_seqlens_q", 1)
-    _check_int(seq_lens, "seq_lens", 1)
     num_seqs = seq_lens.numel()
-    if cu_seqlens_q.numel() != num_seqs + 1 or block_tables.shape[0] != num_seqs:
-        raise ValueError("cu_seqlens_q needs num_seqs + 1 entries and block_tables num_seqs rows")
-    if block_tables.stride(-1) != 1:
-        raise ValueError("block_tables must be contiguous in its last dimension")
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.stride(-1) != 1:
-        raise ValueError(f"out must be {tuple(q.shape)}, contiguous in head_dim")
+    if cu_seqlens_q.numel() != num_seqs + 1:
+        raise ValueError("cu_seqlens_q needs num_seqs + 1 entries")
     if num_seqs == 0 or q.shape[0] == 0:
         return out
     if max_query_len is None:

@@ -14,7 +14,7 @@ from litestar import Controller, Response, get, post
 
 from app.api.errors import ApiError
 from app.api.schemas import ChatMessage, ModelCard, ModelList, QuestionTypes
-from app.qa import EventStream, IncrementalDecoder, Job, QAService, sse
+from app.qa import EventStream, Job, QAService, sse
 from prompts import BuiltPrompt, Turn
 
 _FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
@@ -149,16 +149,10 @@ def openai_controllers(types: QuestionTypes) -> list[type[Controller]]:
                     c.update(extra)
                     return sse(None, c)
 
-                decoder = IncrementalDecoder(runner.engine.tokenizer)
                 try:
                     yield chunk({"role": "assistant", "content": ""})
-                    while True:
-                        ids = await handle.tokens.get()
-                        if ids is None:
-                            break
-                        delta = decoder.push(ids)
-                        if delta:
-                            yield chunk({"content": delta})
+                    async for delta in qa.text_deltas(handle):
+                        yield chunk({"content": delta})
                     try:
                         a = await task
                     except Exception as e:

@@ -190,8 +190,7 @@ class QuestionTypes:
         TopP = Annotated[float, Meta(gt=0.0, le=1.0)]  # noqa: N806
         Question = Annotated[str, Meta(min_length=1, max_length=MAX_QUESTION_CHARS)]  # noqa: N806
 
-        class MessageCreate(Struct, forbid_unknown_fields=True):
-            content: Question
+        class AnswerOptions(Struct, forbid_unknown_fields=True, kw_only=True):
             stream: bool = False
             max_tokens: MaxTokens | None = None
             temperature: Temperature = 0.0
@@ -200,16 +199,12 @@ class QuestionTypes:
             cache: CacheMode = "default"
             ignore_eos: bool = False
 
-        class AskCreate(Struct, forbid_unknown_fields=True):
+        class MessageCreate(AnswerOptions, kw_only=True):
+            content: Question
+
+        class AskCreate(AnswerOptions, kw_only=True):
             manual_id: str
             question: Question
-            stream: bool = False
-            max_tokens: MaxTokens | None = None
-            temperature: Temperature = 0.0
-            top_p: TopP = 1.0
-            seed: int | None = None
-            cache: CacheMode = "default"
-            ignore_eos: bool = False
 
         class ChatCompletionCreate(Struct):
             messages: Annotated[list[ChatMessage], Meta(min_length=1)]
