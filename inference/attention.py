@@ -245,7 +245,48 @@ def _decode_attention(
     return (o_sum[:, 0] / l_sum[:, 0, ..., None]).reshape(-1, num_heads, d)
 
 
+# Fused per-tile attention on CPU (blocked, vectorized; returns the tile's output and the
+# log-sum-exp of each row, which is all a merge across tiles needs).
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 def _attend_queries(
+    q: torch.Tensor,  # [kvh, M, d] queries grouped by KV head (M = group * num_queries)
+    q_pos: torch.Tensor,  # [M] absolute positions
+    keys: torch.Tensor,  # [kvh, n_tiles * KEY_TILE, d]
+    values: torch.Tensor,  # [kvh, n_tiles * KEY_TILE, d]
+    scale: float,
+    first_pos: int = 0,  # the smallest of q_pos: tiles wholly before it need no mask
+) -> torch.Tensor:  # [kvh, M, d] float32
+    """Each key tile is attended on its own (fixed shapes: a slab of queries against
+    ``KEY_TILE`` keys), then tiles merge in order by their rows' log-sum-exp."""
+    if _FLASH_CPU is None or q.device.type != "cpu":
+        return _attend_queries_unfused(q, q_pos, keys, values, scale, first_pos)
+    n_tiles = keys.shape[1] // KEY_TILE
+    lse = acc = None
+    for t in range(n_tiles):
+        lo = t * KEY_TILE
+        k_t = keys[None, :, lo : lo + KEY_TILE]
+        v_t = values[None, :, lo : lo + KEY_TILE]
+        mask = None
+        if lo + KEY_TILE - 1 > first_pos:  # some key lies after some query
+            key_pos = torch.arange(lo, lo + KEY_TILE, device=q.device)
+            mask = torch.zeros(q.shape[1], KEY_TILE, dtype=q.dtype, device=q.device)
+            mask.masked_fill_(key_pos[None, :] > q_pos[:, None], float("-inf"))
+        o_t, lse_t = _FLASH_CPU(q[None], k_t, v_t, 0.0, False, attn_mask=mask, scale=scale)
+        o_t, lse_t = o_t[0].float(), lse_t[0]
+        if acc is None:  # tile 0 holds key 0, which every query sees
+            acc, lse = o_t, lse_t
+            continue
+        if mask is not None:  # rows that see no key of this tile take no part in it
+            lse_t = lse_t.masked_fill((q_pos < lo)[None, :], float("-inf"))
+        new = torch.logaddexp(lse, lse_t)
+        acc = acc * torch.exp(lse - new)[..., None] + o_t * torch.exp(lse_t - new)[..., None]
+        lse = new
+    return acc
+
+
+def _attend_queries_unfused(
     q: torch.Tensor,  # [kvh, M, d] queries grouped by KV head (M = group * num_queries)
     q_pos: torch.Tensor,  # [M] absolute positions
     keys: torch.Tensor,  # [kvh, n_tiles * KEY_TILE, d]
