@@ -111,6 +111,11 @@ def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return rows.view(-1, kvh, d).permute(1, 0, 2)
 
 
+# Fused per-tile attention on CPU (blocked, vectorized; returns the tile's output and the
+# log-sum-exp of each row, which is all a merge across tiles needs).
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 DECODE_TILE = 128  # keys per decode product: the granularity at which sequences share keys
 DECODE_SLAB = 32  # query rows per decode product (padded): fixed, so rows never interact
 
@@ -223,13 +228,21 @@ def _decode_attention(
     qg = qg.reshape(G, kvh, rows, d)
     keys = k_cache.view(nb, -1).index_select(0, plan.blocks).view(G, tile, kvh, d)
     values = v_cache.view(nb, -1).index_select(0, plan.blocks).view(G, tile, kvh, d)
-    keys = keys.permute(0, 2, 3, 1).contiguous()  # [G, kvh, d, tile]
     values = values.permute(0, 2, 1, 3).contiguous()  # [G, kvh, tile, d]
-    s = torch.matmul(qg, keys).float().mul_(scale).add_(plan.bias)  # [G, kvh, rows, tile]
-    m_t = s.amax(dim=-1)  # [G, kvh, rows]
-    p = torch.exp(s - m_t[..., None])
-    l_t = p.sum(dim=-1)
-    o_t = torch.matmul(p.to(values.dtype), values).float()  # [G, kvh, rows, d]
+    if _FLASH_CPU is not None and q.device.type == "cpu":
+        # fused per group tile: normalized output and each row's log-sum-exp
+        keys = keys.permute(0, 2, 1, 3).contiguous()  # [G, kvh, tile, d]
+        bias = plan.bias.to(q.dtype)
+        o_t, m_t = _FLASH_CPU(qg, keys, values, 0.0, False, attn_mask=bias, scale=scale)
+        o_t = o_t.float()
+        l_t = torch.ones_like(m_t)
+    else:
+        keys = keys.permute(0, 2, 3, 1).contiguous()  # [G, kvh, d, tile]
+        s = torch.matmul(qg, keys).float().mul_(scale).add_(plan.bias)  # [G, kvh, rows, tile]
+        m_t = s.amax(dim=-1)  # [G, kvh, rows]
+        p = torch.exp(s - m_t[..., None])
+        l_t = p.sum(dim=-1)
+        o_t = torch.matmul(p.to(values.dtype), values).float()  # [G, kvh, rows, d]
 
     gi, si = plan.slot_g, plan.slot_s
     m_all = m_t.view(G, kvh, S, group)[gi, :, si]  # [D, tiles, kvh, group]
@@ -243,11 +256,6 @@ def _decode_attention(
     idx = last.view(-1, 1, 1, 1, 1).expand(-1, 1, kvh, group, d)
     o_sum = torch.cumsum(w[..., None] * o_all, dim=1).gather(1, idx)
     return (o_sum[:, 0] / l_sum[:, 0, ..., None]).reshape(-1, num_heads, d)
-
-
-# Fused per-tile attention on CPU (blocked, vectorized; returns the tile's output and the
-# log-sum-exp of each row, which is all a merge across tiles needs).
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _attend_queries(
