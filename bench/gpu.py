@@ -10,6 +10,9 @@
    TTFT for a question after an 8,000-token manual, and decode tokens/s at batch 1 and 32.
 
 Prints one table and writes JSON under bench/results/gpu-<date>.json.
+
+``--dry-run`` runs the same script on the CPU with tiny shapes under Triton's interpreter
+(fp16/fp32 only: the interpreter's bf16 arithmetic is not exact), so it is known to start.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -28,6 +32,23 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -83,12 +104,13 @@ def random_tables(lens, bs, num_blocks, device):
     return table.to(device)
 
 
-def check_kernels(ta, dev) -> list[dict]:
+def check_kernels(ta, dev, dry: bool) -> list[dict]:
     rows = []
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        for heads, kvh in ((8, 8), (32, 8)):
-            d, bs = 128, 16
-            lens = [1, 37, 700, 2049]
+    dtypes = [torch.float16, torch.float32] + ([] if dry else [torch.bfloat16])
+    for dtype in dtypes:
+        for heads, kvh in ((4, 4), (8, 2)) if dry else ((8, 8), (32, 8)):
+            d, bs = (32, 16) if dry else (128, 16)
+            lens = [1, 37, 70] if dry else [1, 37, 700, 2049]
             nb = sum(-(-n // bs) for n in lens) + 8
             kc = torch.randn(nb, bs, kvh, d, device=dev).to(dtype)
             vc = torch.randn(nb, bs, kvh, d, device=dev).to(dtype)
@@ -107,7 +129,7 @@ def check_kernels(ta, dev) -> list[dict]:
                     "all_written": not bool(torch.isnan(out).any()),
                 }
             )
-            q_lens = [1, 37, 300, 49]
+            q_lens = [1, 20, 9] if dry else [1, 37, 300, 49]
             qp = torch.randn(sum(q_lens), heads, d, device=dev).to(dtype)
             cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
             out = torch.full_like(qp, float("nan"))
@@ -143,7 +165,12 @@ def check_kernels(ta, dev) -> list[dict]:
 
 
 def cuda_time(fn, iters=20) -> float:
-    """Median milliseconds of fn() by CUDA events."""
+    """Median milliseconds of fn() by CUDA events (wall clock on a CPU dry run)."""
+    if not torch.cuda.is_available():
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1000
     fn()
     torch.cuda.synchronize()
     times = []
@@ -157,34 +184,35 @@ def cuda_time(fn, iters=20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def time_kernels(ta, dev) -> dict:
-    x = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
+def time_kernels(ta, dev, dry: bool) -> dict:
+    x = torch.empty(1 << (20 if dry else 28), dtype=torch.uint8, device=dev)
     y = torch.empty_like(x)
     copy_ms = cuda_time(lambda: y.copy_(x))
     copy_bw = 2 * x.numel() / (copy_ms / 1000)  # read + write
     out = {"copy_bandwidth_GBps": copy_bw / 1e9}
-    kvh, heads, d, bs = 8, 32, 128, 16
-    for batch, ctx in ((32, 8192), (64, 2048)):
+    kvh, heads, d, bs = (2, 4, 32, 16) if dry else (8, 32, 128, 16)
+    dtype = torch.float16 if dry else torch.bfloat16
+    for batch, ctx in ((2, 64),) if dry else ((32, 8192), (64, 2048)):
         nb = batch * ctx // bs + 16
-        kc = torch.randn(nb, bs, kvh, d, device=dev, dtype=torch.bfloat16)
+        kc = torch.randn(nb, bs, kvh, d, device=dev, dtype=dtype)
         vc = torch.randn_like(kc)
         tables = torch.arange(batch * ctx // bs, dtype=torch.int32, device=dev).view(batch, -1)
         sl = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
-        q = torch.randn(batch, heads, d, device=dev, dtype=torch.bfloat16)
+        q = torch.randn(batch, heads, d, device=dev, dtype=dtype)
         ms = cuda_time(lambda: ta.paged_decode_attention(q, kc, vc, tables, sl, d**-0.5))  # noqa: B023
         bytes_read = 2 * batch * ctx * kvh * d * 2
         out[f"decode_b{batch}_ctx{ctx}_ms"] = ms
         out[f"decode_b{batch}_ctx{ctx}_GBps"] = bytes_read / (ms / 1000) / 1e9
         out[f"decode_b{batch}_ctx{ctx}_of_copy_bw"] = bytes_read / (ms / 1000) / copy_bw
         del kc, vc
-    for ctx, new in ((8192, 8192), (8192, 512)):
+    for ctx, new in ((64, 32),) if dry else ((8192, 8192), (8192, 512)):
         nb = ctx // bs + 16
-        kc = torch.randn(nb, bs, kvh, d, device=dev, dtype=torch.bfloat16)
+        kc = torch.randn(nb, bs, kvh, d, device=dev, dtype=dtype)
         vc = torch.randn_like(kc)
         tables = torch.arange(ctx // bs, dtype=torch.int32, device=dev).view(1, -1)
         sl = torch.tensor([ctx], dtype=torch.int32, device=dev)
         cu = torch.tensor([0, new], dtype=torch.int32, device=dev)
-        q = torch.randn(new, heads, d, device=dev, dtype=torch.bfloat16)
+        q = torch.randn(new, heads, d, device=dev, dtype=dtype)
         ms = cuda_time(
             lambda: ta.paged_prefill_attention(q, kc, vc, tables, cu, sl, d**-0.5),  # noqa: B023
             iters=10,
@@ -197,24 +225,35 @@ def time_kernels(ta, dev) -> dict:
     return out
 
 
-def engine_bench(quick: bool) -> dict:
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def engine_bench(quick: bool, dry: bool) -> dict:
     from inference import LLM, SamplingParams
     from inference.model_import import import_default_model
 
     tmp = Path(tempfile.mkdtemp(prefix="docqa-gpu-"))
-    (tmp / "config.json").write_text(json.dumps(LLAMA3_8B))
+    (tmp / "config.json").write_text(json.dumps(TINY if dry else LLAMA3_8B))
     src = import_default_model()
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(src / f, tmp / f)
     t0 = time.perf_counter()
-    llm = LLM(tmp, dtype="bfloat16", random_weights_seed=0, max_num_batched_tokens=8192)
+    kwargs = {"attention_backend": "triton"}
+    if dry:
+        kwargs.update(dtype="float32", kv_cache_gib=0.01, max_num_batched_tokens=256)
+    else:
+        kwargs.update(dtype="bfloat16", max_num_batched_tokens=8192)
+    llm = LLM(tmp, random_weights_seed=0, **kwargs)
     load_s = time.perf_counter() - t0
     eng = llm.engine
     gen = torch.Generator().manual_seed(0)
-    manual = torch.randint(100, 40000, (8000,), generator=gen).tolist()
+    manual_len = 200 if dry else 8000
+    manual = torch.randint(100, 40000, (manual_len,), generator=gen).tolist()
 
     def ttft(ids, use_cache=True):
-        torch.cuda.synchronize()
+        sync()
         out = llm.generate(
             prompt_token_ids=[ids],
             sampling_params=SamplingParams(max_tokens=1),
@@ -228,26 +267,27 @@ def engine_bench(quick: bool) -> dict:
     ttft(q(2))  # puts the manual in the cache
     warm_ms, cached = ttft(q(3))
     res = {
-        "model": "random weights, Llama-3-8B shape, bf16",
+        "model": "random weights, tiny (dry run)" if dry else "random weights, Llama-3-8B shape",
         "load_s": load_s,
         "kv_capacity_tokens": eng.kv_spec.num_tokens,
-        "cold_ttft_ms_8000": cold_ms,
-        "warm_ttft_ms_8000": warm_ms,
+        f"cold_ttft_ms_{manual_len}": cold_ms,
+        f"warm_ttft_ms_{manual_len}": warm_ms,
         "warm_cached_tokens": cached,
     }
-    for batch in (1, 32):
-        n_out = 16 if quick else 64
-        prompts = [torch.randint(100, 40000, (512,), generator=gen).tolist() for _ in range(batch)]
+    for batch in (1, 4) if dry else (1, 32):
+        n_out = 4 if dry else 16 if quick else 64
+        plen = 40 if dry else 512
+        prompts = [torch.randint(100, 40000, (plen,), generator=gen).tolist() for _ in range(batch)]
         params = SamplingParams(max_tokens=n_out, ignore_eos=True)
         reqs = [eng.add_request(p, params) for p in prompts]
         while any(r.times.first_token is None for r in reqs):
             eng.step()
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         steps0 = eng.num_steps
         while any(not r.finished for r in reqs):
             eng.step()
-        torch.cuda.synchronize()
+        sync()
         dt_s = time.perf_counter() - t0
         tokens = batch * (eng.num_steps - steps0)
         for r in reqs:
@@ -259,17 +299,24 @@ def engine_bench(quick: bool) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer decode steps")
+    ap.add_argument(
+        "--dry-run", action="store_true", help="tiny shapes on the CPU under the interpreter"
+    )
+    ap.add_argument("--out", help="JSON path (default: bench/results/gpu-<date>.json)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench/gpu.py needs a CUDA device", file=sys.stderr)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
+    elif not torch.cuda.is_available():
+        print("bench/gpu.py needs a CUDA device (or --dry-run)", file=sys.stderr)
         return 2
     from inference import triton_attention as ta
 
-    dev = torch.device("cuda")
+    dev = torch.device("cpu" if args.dry_run else "cuda")
     t_all = time.perf_counter()
-    checks = check_kernels(ta, dev)
-    timings = time_kernels(ta, dev)
-    engine = engine_bench(args.quick)
+    checks = check_kernels(ta, dev, args.dry_run)
+    timings = time_kernels(ta, dev, args.dry_run)
+    engine = engine_bench(args.quick, args.dry_run)
+    engine["kernel_launches"] = dict(ta.LAUNCHES)
     tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
     print("| check | dtype | GQA | rel err | ok |")
     print("|---|---|---|---|---|")
@@ -279,14 +326,14 @@ def main() -> int:
         ok_all &= ok
         print(f"| {c['kernel']} | {c['dtype']} | {c['gqa']} | {c['rel_err']:.2e} | {ok} |")
     print("\n| measure | value |\n|---|---|")
-    for k, v in {**timings, **engine}.items():
+    for k, v in {**timings, **{k: v for k, v in engine.items() if k != "kernel_launches"}}.items():
         print(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |")
-    out = ROOT / "bench" / "results" / f"gpu-{dt.date.today().isoformat()}.json"
-    out.parent.mkdir(exist_ok=True)
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"gpu-{dt.date.today()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         json.dumps(
             {
-                "device": torch.cuda.get_device_name(),
+                "device": "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(),
                 "torch": torch.__version__,
                 "checks": checks,
                 "kernels": timings,

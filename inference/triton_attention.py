@@ -18,6 +18,8 @@ On a machine without a GPU these kernels run under Triton's interpreter: set
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import triton
 import triton.language as tl
@@ -25,6 +27,7 @@ import triton.language as tl
 DECODE_PARTITION = 512  # keys per decode split; fixed for batch invariance
 PREFILL_BLOCK_M = 16  # queries per prefill program
 _MIN_DOT = 16
+LAUNCHES: Counter[str] = Counter()  # kernel launches per entry point (tests, benchmarks)
 
 
 def _pow2(n: int) -> int:
@@ -137,6 +140,7 @@ def store_kv(
     n = key.shape[0]
     if n == 0:
         return
+    LAUNCHES["store_kv"] += 1
     _store_kv_kernel[(n,)](
         key,
         value,
@@ -292,6 +296,7 @@ def paged_decode_attention(
     part_m = torch.empty(num_seqs, num_heads, max_parts, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     group = num_heads // kvh
+    LAUNCHES["paged_decode_attention"] += 1
     _decode_partition_kernel[(num_seqs, kvh, max_parts)](
         q,
         k_cache,
@@ -433,6 +438,7 @@ def paged_prefill_attention(
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     num_heads = q.shape[1]
     grid = (num_seqs, num_heads, -(-max_query_len // PREFILL_BLOCK_M))
+    LAUNCHES["paged_prefill_attention"] += 1
     _prefill_kernel[grid](
         q,
         k_cache,

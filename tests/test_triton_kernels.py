@@ -160,6 +160,7 @@ def test_engine_with_the_triton_backend_matches_the_torch_backend(tiny_model_dir
     prompts = [list(range(100, 137)), list(range(300, 309))]
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     outs = {}
+    before = dict(ta.LAUNCHES)
     for backend in ("torch", "triton"):
         llm = LLM(tiny_model_dir, dtype="float32", kv_cache_gib=0.002, attention_backend=backend)
         assert llm.engine.attention_backend == backend
@@ -168,6 +169,12 @@ def test_engine_with_the_triton_backend_matches_the_torch_backend(tiny_model_dir
         while any(not r.finished for r in reqs):
             eng.step()
         outs[backend] = reqs
+    # the kernels really ran: one store and attention launch per layer and step
+    layers = llm.engine.model_config.num_layers
+    ran = {k: ta.LAUNCHES[k] - before.get(k, 0) for k in ta.LAUNCHES}
+    assert ran["store_kv"] >= 4 * layers
+    assert ran["paged_prefill_attention"] >= layers
+    assert ran["paged_decode_attention"] >= 3 * layers
     for a, b in zip(outs["torch"], outs["triton"], strict=True):
         assert a.output_token_ids == b.output_token_ids
         for la, lb in zip(a.logits, b.logits, strict=True):
@@ -192,3 +199,22 @@ def test_small_heads_are_padded_to_what_the_gpu_compiler_accepts():
     with pytest.raises(ValueError, match="block_size must be a power of two >= 16"):
         small = torch.zeros(6, 8, kvh, d).half()
         ta.paged_decode_attention(q, small, small.clone(), table, sl, 1.0)
+
+
+def test_gpu_bench_dry_run_starts(tmp_path):
+    """bench/gpu.py end to end with tiny shapes under the interpreter, so it is known to start."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "gpu.json"
+    r = subprocess.run(
+        [sys.executable, "bench/gpu.py", "--dry-run", "--out", str(out)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "paged_decode_attention" in r.stdout and out.is_file()
