@@ -158,6 +158,26 @@ def store_kv(
     )
 
 
+@triton.jit
+def _attend_block(q, k, v, visible, m_i, l_i, acc, scale, IEEE: tl.constexpr):
+    """One block of keys into a running (max, sum, weighted values) per query row."""
+    if IEEE:  # noqa: SIM108 - constexpr branch, resolved at compile time
+        sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        sc = tl.dot(q, tl.trans(k))
+    sc = tl.where(visible, sc.to(tl.float32) * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(sc - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:  # noqa: SIM108
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
 # -- decode --------------------------------------------------------------------------------------
 @triton.jit
 def _decode_partition_kernel(
@@ -210,22 +230,8 @@ def _decode_partition_kernel(
             kv_mask = d_mask[None, :]
             k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            if IEEE:  # noqa: SIM108 - constexpr branch, resolved at compile time
-                sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                sc = tl.dot(q, tl.trans(k))
-            sc = sc.to(tl.float32) * scale
-            sc = tl.where((pos0 + offs)[None, :] < seq_len, sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(sc - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            visible = (pos0 + offs)[None, :] < seq_len
+            m_i, l_i, acc = _attend_block(q, k, v, visible, m_i, l_i, acc, scale, IEEE)
     base = (s * (KVH * GROUP) + heads) * max_parts + part
     tl.store(part_m_ptr + base, m_i, mask=g_mask)
     tl.store(part_l_ptr + base, l_i, mask=g_mask)
@@ -389,23 +395,8 @@ def _prefill_kernel(
             row = (blk * BS + offs) * (KVH * D) + kvh * D
             k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
             v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
-            if IEEE:  # noqa: SIM108 - constexpr branch, resolved at compile time
-                sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                sc = tl.dot(q, tl.trans(k))
-            sc = sc.to(tl.float32) * scale
-            k_pos = j * BS + offs
-            sc = tl.where(k_pos[None, :] <= q_pos[:, None], sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(sc - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            visible = (j * BS + offs)[None, :] <= q_pos[:, None]
+            m_i, l_i, acc = _attend_block(q, k, v, visible, m_i, l_i, acc, scale, IEEE)
         res = acc / l_i[:, None]
         tl.store(
             out_ptr + (q_start + i)[:, None] * stride_ot + h * stride_oh + d[None, :],
