@@ -232,13 +232,14 @@ def _decode_attention(
     if _FLASH_CPU is not None and q.device.type == "cpu":
         # fused per group tile: normalized output and each row's log-sum-exp
         keys = keys.permute(0, 2, 1, 3).contiguous()  # [G, kvh, tile, d]
-        bias = plan.bias.to(q.dtype)
-        o_t, m_t = _FLASH_CPU(qg, keys, values, 0.0, False, attn_mask=bias, scale=scale)
+        if plan.bias.dtype != q.dtype:  # once per step: every layer shares the plan
+            plan.bias = plan.bias.to(q.dtype)
+        o_t, m_t = _FLASH_CPU(qg, keys, values, 0.0, False, attn_mask=plan.bias, scale=scale)
         o_t = o_t.float()
         l_t = torch.ones_like(m_t)
     else:
         keys = keys.permute(0, 2, 3, 1).contiguous()  # [G, kvh, d, tile]
-        s = torch.matmul(qg, keys).float().mul_(scale).add_(plan.bias)  # [G, kvh, rows, tile]
+        s = torch.matmul(qg, keys).float().mul_(scale).add_(plan.bias.float())
         m_t = s.amax(dim=-1)  # [G, kvh, rows]
         p = torch.exp(s - m_t[..., None])
         l_t = p.sum(dim=-1)
@@ -258,16 +259,30 @@ def _decode_attention(
     return (o_sum[:, 0] / l_sum[:, 0, ..., None]).reshape(-1, num_heads, d)
 
 
+def _slab_positions(first: int, n: int, group: int, device) -> torch.Tensor:
+    """[group * PREFILL_QUERY_SLAB] positions of a slab's query rows (row = g * slab + j); the
+    padding rows repeat the last real position."""
+    pos = torch.arange(first, first + PREFILL_QUERY_SLAB, device=device)
+    pos[n:] = first + n - 1
+    return pos.repeat(group)
+
+
 def _attend_queries(
-    q: torch.Tensor,  # [kvh, M, d] queries grouped by KV head (M = group * num_queries)
-    q_pos: torch.Tensor,  # [M] absolute positions
+    q: torch.Tensor,  # [kvh, M, d] queries grouped by KV head (M = group * slab)
     keys: torch.Tensor,  # [kvh, n_tiles * KEY_TILE, d]
     values: torch.Tensor,  # [kvh, n_tiles * KEY_TILE, d]
     scale: float,
-    first_pos: int = 0,  # the smallest of q_pos: tiles wholly before it need no mask
+    first_pos: int,  # position of the slab's first query
+    n: int,  # real queries in the slab
+    scratch: dict,  # per-step cache: positions and masks are the same for every layer
+    group: int,
 ) -> torch.Tensor:  # [kvh, M, d] float32
     """Each key tile is attended on its own (fixed shapes: a slab of queries against
     ``KEY_TILE`` keys), then tiles merge in order by their rows' log-sum-exp."""
+    key = ("slab", first_pos, n, group)
+    q_pos = scratch.get(key)
+    if q_pos is None:
+        q_pos = scratch[key] = _slab_positions(first_pos, n, group, q.device)
     if _FLASH_CPU is None or q.device.type != "cpu":
         return _attend_queries_unfused(q, q_pos, keys, values, scale, first_pos)
     n_tiles = keys.shape[1] // KEY_TILE
@@ -276,18 +291,22 @@ def _attend_queries(
         lo = t * KEY_TILE
         k_t = keys[None, :, lo : lo + KEY_TILE]
         v_t = values[None, :, lo : lo + KEY_TILE]
-        mask = None
+        mask = dead = None
         if lo + KEY_TILE - 1 > first_pos:  # some key lies after some query
-            key_pos = torch.arange(lo, lo + KEY_TILE, device=q.device)
-            mask = torch.zeros(q.shape[1], KEY_TILE, dtype=q.dtype, device=q.device)
-            mask.masked_fill_(key_pos[None, :] > q_pos[:, None], float("-inf"))
+            mkey = ("mask", first_pos, n, group, lo, q.dtype)
+            if mkey not in scratch:
+                key_pos = torch.arange(lo, lo + KEY_TILE, device=q.device)
+                m = torch.zeros(q.shape[1], KEY_TILE, dtype=q.dtype, device=q.device)
+                m.masked_fill_(key_pos[None, :] > q_pos[:, None], float("-inf"))
+                scratch[mkey] = (m, (q_pos < lo)[None, :])
+            mask, dead = scratch[mkey]
         o_t, lse_t = _FLASH_CPU(q[None], k_t, v_t, 0.0, False, attn_mask=mask, scale=scale)
         o_t, lse_t = o_t[0].float(), lse_t[0]
         if acc is None:  # tile 0 holds key 0, which every query sees
             acc, lse = o_t, lse_t
             continue
-        if mask is not None:  # rows that see no key of this tile take no part in it
-            lse_t = lse_t.masked_fill((q_pos < lo)[None, :], float("-inf"))
+        if dead is not None:  # rows that see no key of this tile take no part in it
+            lse_t = lse_t.masked_fill(dead, float("-inf"))
         new = torch.logaddexp(lse, lse_t)
         acc = acc * torch.exp(lse - new)[..., None] + o_t * torch.exp(lse_t - new)[..., None]
         lse = new
@@ -358,18 +377,20 @@ def paged_attention_reference(
             strict=True,
         )
     ):
-        block_ids = meta.block_tables[i, :nblk].to(torch.int64)
         if decode:
             any_decode = True
             start += 1
             continue
         first_pos = sl - ql
         slab = PREFILL_QUERY_SLAB
-        all_len = -(-sl // KEY_TILE) * KEY_TILE
-        # pad with block 0 (finite; fully masked) up to a whole number of key tiles
-        pad = all_len // bs - nblk
-        if pad:
-            block_ids = torch.cat([block_ids, block_ids.new_zeros(pad)])
+        block_ids = meta.scratch.get(("prefill blocks", i))
+        if block_ids is None:
+            # pad with block 0 (finite; fully masked) up to a whole number of key tiles
+            pad = -(-sl // KEY_TILE) * KEY_TILE // bs - nblk
+            block_ids = meta.block_tables[i, :nblk].to(torch.int64)
+            if pad:
+                block_ids = torch.cat([block_ids, block_ids.new_zeros(pad)])
+            meta.scratch[("prefill blocks", i)] = block_ids
         all_keys = _gather_kv(k_cache, block_ids)
         all_values = _gather_kv(v_cache, block_ids)
         for s0 in range(0, ql, slab):
@@ -377,14 +398,11 @@ def paged_attention_reference(
             last_pos = first_pos + s0 + n - 1
             key_len = -(-(last_pos + 1) // KEY_TILE) * KEY_TILE
             keys, values = all_keys[:, :key_len], all_values[:, :key_len]
-            pos = torch.arange(first_pos + s0, first_pos + s0 + slab, device=q.device)
             qs = q.new_zeros(slab, num_heads, d)  # padded to a full slab: shapes never change
             qs[:n] = q[start + s0 : start + s0 + n]
-            if n < slab:
-                pos[n:] = last_pos
             # [slab, kvh, group, d] -> [kvh, group * slab, d]; row = g * slab + j
             qg = qs.view(slab, kvh, group, d).permute(1, 2, 0, 3).reshape(kvh, group * slab, d)
-            o = _attend_queries(qg, pos.repeat(group), keys, values, scale, first_pos + s0)
+            o = _attend_queries(qg, keys, values, scale, first_pos + s0, n, meta.scratch, group)
             o = o.view(kvh, group, slab, d).permute(2, 0, 1, 3).reshape(slab, num_heads, d)
             out[start + s0 : start + s0 + n] = o[:n].to(out.dtype)
         start += ql

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from inference.errors import DocqaError
 from inference.sequence import Request, RequestStatus
-from prefix_store import KVCacheManager, NoFreeBlocksError
+from prefix_store import CachedPrefix, KVCacheManager, NoFreeBlocksError
 
 
 @dataclass(frozen=True)
@@ -151,9 +151,10 @@ class Scheduler:
                 out.update(self._hashes(r)[r.num_computed_tokens // bs :])
         return out
 
-    def _admission_order(self) -> list[Request]:
+    def _admission_order(self) -> list[tuple[Request, CachedPrefix | None, bool]]:
         """Preempted requests and those waiting longer than the fairness window first (oldest
-        first); then the longest cached prefix first, oldest first among equals."""
+        first); then the longest cached prefix first, oldest first among equals. Returns
+        (request, its cached prefix, whether that lookup was made)."""
         now = time.perf_counter()
         window = self.config.fairness_window_s
         head = list(self.waiting)[: self.config.admission_lookahead]
@@ -161,21 +162,23 @@ class Scheduler:
         for req in head:
             urgent = req.num_preemptions > 0 or now - req.times.arrival > window
             if urgent:
-                keyed.append(((0, 0, req.times.arrival), req))
+                keyed.append(((0, 0, req.times.arrival), (req, None, False)))
             else:
                 cached = self._lookup(req)
                 hit = cached.num_cached_tokens if cached else 0
-                keyed.append(((1, -hit, req.times.arrival), req))
+                keyed.append(((1, -hit, req.times.arrival), (req, cached, True)))
         keyed.sort(key=lambda kv: kv[0])
-        return [req for _, req in keyed]
+        return [entry for _, entry in keyed]
 
     def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
         bs = self.kv.block_size
         inflight: set[bytes] | None = None
-        for req in self._admission_order():
+        allocated = False  # an allocation may evict blocks an earlier lookup found
+        for req, cached, looked in self._admission_order():
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            cached = self._lookup(req)
+            if allocated or not looked:
+                cached = self._lookup(req)
             num_cached = cached.num_cached_tokens if cached else 0
             if req.use_cache:
                 hashes = self._hashes(req)
@@ -193,6 +196,7 @@ class Scheduler:
                 )
             except NoFreeBlocksError:
                 break
+            allocated = True
             self.waiting.remove(req)
             if req.num_cached_tokens < 0:  # first admission: count once
                 req.num_cached_tokens = num_cached

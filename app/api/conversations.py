@@ -37,6 +37,18 @@ def _message_out(m: Message) -> MessageOut:
     )
 
 
+def _owned(conversation_id: str, tenant: str) -> tuple:
+    """The conditions that select a conversation of this tenant only."""
+    return (Conversation.id == conversation_id, Conversation.tenant == tenant)
+
+
+async def _messages(s, conversation_id: str) -> list[Message]:
+    rows = await s.scalars(
+        select(Message).where(Message.conversation_id == conversation_id).order_by(Message.seq)
+    )
+    return list(rows)
+
+
 def _question(text: str) -> str:
     if not text.strip():
         raise ApiError(400, "empty_question", "the question is empty")
@@ -106,20 +118,10 @@ def question_controllers(types: QuestionTypes) -> list[type[Controller]]:
             self, qa: QAService, tenant: str, conversation_id: str
         ) -> ConversationDetail:
             async with qa.db.session() as s:
-                conv = await s.scalar(
-                    select(Conversation).where(
-                        Conversation.id == conversation_id, Conversation.tenant == tenant
-                    )
-                )
+                conv = await s.scalar(select(Conversation).where(*_owned(conversation_id, tenant)))
                 if conv is None:
                     raise not_found("conversation", conversation_id)
-                msgs = list(
-                    await s.scalars(
-                        select(Message)
-                        .where(Message.conversation_id == conv.id)
-                        .order_by(Message.seq)
-                    )
-                )
+                msgs = await _messages(s, conv.id)
             return ConversationDetail(
                 id=conv.id,
                 manual_id=conv.manual_id,
@@ -134,9 +136,7 @@ def question_controllers(types: QuestionTypes) -> list[type[Controller]]:
         ) -> None:
             async with qa.db.transaction() as s:
                 res = await s.execute(
-                    sa_delete(Conversation).where(
-                        Conversation.id == conversation_id, Conversation.tenant == tenant
-                    )
+                    sa_delete(Conversation).where(*_owned(conversation_id, tenant))
                 )
                 if res.rowcount == 0:
                     raise not_found("conversation", conversation_id)
@@ -159,19 +159,13 @@ def question_controllers(types: QuestionTypes) -> list[type[Controller]]:
                     await s.execute(
                         select(Conversation, Manual)
                         .join(Manual, Manual.id == Conversation.manual_id)
-                        .where(Conversation.id == conversation_id, Conversation.tenant == tenant)
+                        .where(*_owned(conversation_id, tenant))
                     )
                 ).first()
                 if row is None:
                     raise not_found("conversation", conversation_id)
                 conv, manual = row
-                msgs = list(
-                    await s.scalars(
-                        select(Message)
-                        .where(Message.conversation_id == conv.id)
-                        .order_by(Message.seq)
-                    )
-                )
+                msgs = await _messages(s, conv.id)
             qa.runner.require_ready()
             params = qa.params(
                 data.max_tokens, data.temperature, data.top_p, data.seed, data.ignore_eos

@@ -70,16 +70,8 @@ def _validation(_req: Request, exc: ValidationException) -> Response:
         if m and limit is None:
             num = m.group(1) or m.group(2)
             limit = float(num) if "." in num else int(num)
-    message = "; ".join(parts) or _clean_detail(exc.detail)
-    if "JSON is malformed" in message or "malformed" in message.lower():
-        return error_response(
-            400, "malformed_json", f"the request body is not valid JSON: {message}"
-        )
+    message = "; ".join(parts) or exc.detail or "the request is invalid"
     return error_response(400, "invalid_request", message, limit)
-
-
-def _clean_detail(detail: str) -> str:
-    return detail or "the request is invalid"
 
 
 def _http(request: Request, exc: HTTPException) -> Response:
