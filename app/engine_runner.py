@@ -22,6 +22,7 @@ from inference.llm import resolve_model
 from inference.metrics import RequestMetrics
 from inference.sampling import SamplingParams
 from inference.sequence import Request
+from prefix_store import TierConfig
 from prompts import PromptBuilder
 
 log = logging.getLogger("docqa.runner")
@@ -47,6 +48,7 @@ class Completion:
     finish_reason: str  # stop | length | cancelled
     num_cached_tokens: int
     metrics: RequestMetrics
+    num_tier_cached_tokens: int = 0  # of num_cached_tokens, those loaded from Redis
 
 
 class RequestHandle:
@@ -104,6 +106,7 @@ class EngineRunner:
         pin_budget: float = 0.25,
         max_num_batched_tokens: int = 512,
         observer: Any = None,  # ServiceMetrics, or None
+        kv_tier: TierConfig | None = None,
     ):
         self._model = model
         self._engine_kwargs = dict(
@@ -112,6 +115,7 @@ class EngineRunner:
             num_threads=num_threads,
             pin_budget=pin_budget,
             max_num_batched_tokens=max_num_batched_tokens,
+            kv_tier=kv_tier,
         )
         self.max_waiting = max_waiting
         self.observer = observer
@@ -183,6 +187,7 @@ class EngineRunner:
                 self.observer.observe_step(*engine.last_step)
             self._publish(finished)
         self._fail_all(EngineNotReady("the server is shutting down"))
+        engine.close()
 
     # -- engine thread ---------------------------------------------------------------------------
     def _post(self, cmd: Callable[[], None]) -> None:
@@ -230,6 +235,7 @@ class EngineRunner:
             finish_reason=reason,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             metrics=metrics,
+            num_tier_cached_tokens=req.num_tier_cached_tokens,
         )
         handle.loop.call_soon_threadsafe(handle._finish, result)
 
@@ -325,11 +331,14 @@ class EngineRunner:
             return {}
         s = e.scheduler
         kv = e.kv_manager
+        tier = {f"tier_{k}": v for k, v in e.tier.counters().items()} if e.tier else {}
         return {
+            **tier,
             "prompt_tokens": s.num_prompt_tokens_admitted,
             "prefix_cache_queries": s.num_prefix_queries,
             "prefix_cache_hits": s.num_prefix_hits,
-            "prefix_cache_hits_redis": 0,
+            "prefix_cache_hits_device": s.num_prefix_hits - s.num_prefix_hits_tier,
+            "prefix_cache_hits_redis": s.num_prefix_hits_tier,
             "prompt_tokens_computed": e.prompt_tokens_computed,
             "generation_tokens": e.generation_tokens,
             "num_preemptions": s.num_preemptions,

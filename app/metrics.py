@@ -46,7 +46,7 @@ class _EngineCollector:
         yield counter(
             "docqa:prefix_cache_hits",
             "Looked-up prompt tokens served from the cache",
-            [(["device"], "prefix_cache_hits"), (["redis"], "prefix_cache_hits_redis")],
+            [(["device"], "prefix_cache_hits_device"), (["redis"], "prefix_cache_hits_redis")],
             labels=["tier"],
         )
         yield counter(
@@ -65,6 +65,31 @@ class _EngineCollector:
             "num_deferred_admissions",
         )
         yield gauge("docqa:kv_cache_pinned_blocks", "KV blocks held by pins", "pinned_blocks")
+        if "tier_up" in c:
+            yield gauge("docqa:redis_tier_up", "1 while the Redis tier answers, else 0", "tier_up")
+            yield counter(
+                "docqa:redis_tier_blocks",
+                "KV blocks moved to or from the Redis tier",
+                [(["write"], "tier_blocks_written"), (["read"], "tier_blocks_loaded")],
+                labels=["direction"],
+            )
+            yield counter(
+                "docqa:redis_tier_bytes",
+                "Bytes moved to or from the Redis tier",
+                [(["write"], "tier_bytes_written"), (["read"], "tier_bytes_read")],
+                labels=["direction"],
+            )
+            yield counter(
+                "docqa:redis_tier_writes_dropped",
+                "Blocks not written because the tier was degraded or behind",
+                "tier_writes_dropped",
+            )
+            yield counter("docqa:redis_tier_errors", "Failed Redis tier calls", "tier_errors")
+            yield counter(
+                "docqa:redis_tier_lookups_abandoned",
+                "Lookups a request stopped waiting for (Redis too slow)",
+                "tier_lookups_abandoned",
+            )
         yield gauge(
             "docqa:kv_cache_usage_perc",
             "Fraction of KV blocks referenced by running requests",

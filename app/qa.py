@@ -76,6 +76,7 @@ class QAService:
         self.settings = settings
         self.db = db
         self.runner = runner
+        self.registry = None  # ReplicaRegistry when replicas share a Redis
         self._tasks: set[asyncio.Task] = set()
 
     # -- tenants and manuals ---------------------------------------------------------------------
@@ -233,6 +234,19 @@ class QAService:
         return turns
 
     # -- running ----------------------------------------------------------------------------------
+    async def forward(self, job: Job, request) -> object | None:
+        """The response of the replica holding a longer cached prefix of this prompt (or, when
+        none holds any, a less loaded one); None to serve it here."""
+        reg = self.registry
+        if reg is None or not job.use_cache or reg.is_local_only(request):
+            return None
+        ids = job.prompt.token_ids
+        hashes = self.runner.engine.kv_manager.hasher(job.namespace).chain(ids[: len(ids) - 1])
+        peer = await reg.route(hashes)
+        if peer is None:
+            return None
+        return await reg.forward(peer, request)
+
     async def submit(self, job: Job) -> tuple[RequestHandle, asyncio.Task]:
         handle = await self.runner.submit(
             job.prompt.token_ids,
@@ -257,6 +271,7 @@ class QAService:
     def answer(self, job: Job, c: Completion) -> Answer:
         tok = self.runner.engine.tokenizer
         cached = c.num_cached_tokens
+        redis = c.num_tier_cached_tokens
         return Answer(
             id=job.request_id,
             conversation_id=job.conversation_id,
@@ -266,7 +281,7 @@ class QAService:
                 prompt_tokens=len(c.prompt_token_ids),
                 cached_tokens=cached,
                 completion_tokens=len(c.output_token_ids),
-                cached_tokens_by_tier={"device": cached, "redis": 0},
+                cached_tokens_by_tier={"device": cached - redis, "redis": redis},
             ),
             timings=Timings(**c.metrics.to_dict()),
             warnings=list(job.warnings),
@@ -370,13 +385,35 @@ class QAService:
         cached = await self.runner.call(
             lambda e: e.kv_manager.find_cached_prefix(probe, ns).num_cached_tokens
         )
+        redis_status, redis_tokens = await self._warm_tier(prefix, ns)
         return {
             "manual_id": manual.id,
             "prompt_tokens": len(prefix),
             "cached_tokens": cached,
             "computed_tokens": len(prefix) - c.num_cached_tokens,
             "elapsed_ms": round((time.perf_counter() - t0) * 1000, 3),
+            "redis": redis_status,
+            "redis_cached_tokens": redis_tokens,
         }
+
+    async def _warm_tier(self, prefix: list[int], ns: bytes) -> tuple[str, int]:
+        """Wait until Redis holds the prefix's full blocks (writing again those it lacks, e.g.
+        written while Redis was down or trimmed since). Returns (tier status, tokens held)."""
+        engine = self.runner.engine
+        tier = engine.tier
+        if tier is None:
+            return "disabled", 0
+        hashes = engine.kv_manager.hasher(ns).chain(prefix)
+        bs = engine.kv_manager.block_size
+        for attempt in range(2):
+            if not tier.up:
+                break
+            await asyncio.wait_for(asyncio.wrap_future(tier.flush()), timeout=120)
+            present = await asyncio.to_thread(tier.count_present, hashes)
+            if present == len(hashes) or attempt:
+                return tier.status, present * bs
+            await self.runner.call(lambda e: e.write_prefix_to_tier(prefix, ns))
+        return tier.status, 0
 
 
 class EventStream(Stream):

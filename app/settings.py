@@ -67,6 +67,27 @@ def default_database_url(home: Path) -> str:
     return f"sqlite+aiosqlite:///{home / 'docqa.db'}"
 
 
+def _env_number(name: str, kind: type, default):
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a {kind.__name__}, got {raw!r}") from None
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    raw = (os.environ.get(name) or "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "on", "true", "yes"):
+        return True
+    if raw in ("0", "off", "false", "no"):
+        return False
+    raise ConfigError(f"{name} must be on or off, got {raw!r}")
+
+
 @dataclass(frozen=True)
 class Settings:
     home: Path
@@ -83,6 +104,12 @@ class Settings:
     max_upload_bytes: int = MAX_UPLOAD_BYTES
     max_waiting_requests: int = 256  # beyond this the engine answers 503 with Retry-After
     num_threads: int | None = None
+    # the Redis tier and replicas (used only with redis_url)
+    redis_prefix: str = "docqa:"  # key prefix of everything docqa keeps in Redis
+    redis_ttl_s: int = 24 * 3600  # lifetime of a KV block in Redis since its last use
+    redis_max_gib: float = 2.0  # KV bytes the tier may hold before trimming the oldest
+    advertise_url: str | None = None  # how other replicas reach this one
+    routing: bool = True  # forward questions to the replica holding the longest prefix
 
     def __post_init__(self):
         if self.max_tokens_cap < 1:
@@ -93,6 +120,23 @@ class Settings:
             raise ConfigError("--max-batched-tokens must be at least 16")
         if self.max_upload_bytes < 1:
             raise ConfigError("the upload limit must be positive")
+        if self.redis_ttl_s < 1:
+            raise ConfigError(f"DOCQA_REDIS_TTL_S must be at least 1, got {self.redis_ttl_s}")
+        if self.redis_max_gib <= 0:
+            raise ConfigError(f"DOCQA_REDIS_MAX_GIB must be positive, got {self.redis_max_gib}")
+
+    def tier_config(self):
+        """The engine's second-tier settings, or None without DOCQA_REDIS_URL."""
+        from prefix_store import TierConfig
+
+        if not self.redis_url:
+            return None
+        return TierConfig(
+            url=self.redis_url,
+            prefix=self.redis_prefix,
+            ttl_s=self.redis_ttl_s,
+            max_bytes=int(self.redis_max_gib * 2**30),
+        )
 
     @property
     def auth_enabled(self) -> bool:
@@ -102,11 +146,17 @@ class Settings:
     def from_env(cls, **overrides) -> Settings:
         home = docqa_home()
         url = os.environ.get("DOCQA_DATABASE_URL") or default_database_url(home)
+        env = os.environ
         values = dict(
             home=home,
             database_url=normalize_database_url(url),
-            redis_url=os.environ.get("DOCQA_REDIS_URL") or None,
-            api_keys=parse_api_keys(os.environ.get("DOCQA_API_KEYS")),
+            redis_url=env.get("DOCQA_REDIS_URL") or None,
+            api_keys=parse_api_keys(env.get("DOCQA_API_KEYS")),
+            redis_prefix=env.get("DOCQA_REDIS_PREFIX") or "docqa:",
+            redis_ttl_s=_env_number("DOCQA_REDIS_TTL_S", int, 24 * 3600),
+            redis_max_gib=_env_number("DOCQA_REDIS_MAX_GIB", float, 2.0),
+            advertise_url=env.get("DOCQA_ADVERTISE_URL") or None,
+            routing=_env_flag("DOCQA_ROUTING", True),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         if "database_url" in overrides and overrides["database_url"]:

@@ -1,10 +1,13 @@
 """Batch-invariant building blocks: linear, RMSNorm, rotary embedding.
 
-Why ``linear`` works in row slabs: on this CPU (torch 2.13, oneDNN), a bf16 ``F.linear`` gives
-bit-identical rows for any batch of at most 32 rows, but a batch of more rows takes another
-kernel whose accumulation order differs, so a prompt row computed in a long chunk would differ
-from the same row computed alone. Running every product in slabs of ``LINEAR_ROW_SLAB`` rows
-keeps each row's result independent of how many rows share the call (prefill or decode).
+Why ``linear`` works in row slabs: CPU matrix kernels (torch 2.13, oneDNN/MKL) pick their
+kernel, and with it the accumulation order, by the number of rows. On a CPU with native bf16
+(AVX512-BF16), a bf16 product gives bit-identical rows for any call of at most 32 rows but
+switches kernels above that; on CPUs without it, and in float32, a call of 1 to 15 rows takes a
+matrix-vector path whose sums differ from those of a larger call. So every product runs in slabs
+of ``LINEAR_ROW_SLAB`` rows, and, where a probe of the weight's shape (``_small_calls_agree``)
+shows that short calls disagree with full slabs, the last slab is padded to full size: each row's
+result is then independent of how many rows share the call (prefill chunking, decode batching).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch.nn.functional as F
 from inference.config import ModelConfig
 
 LINEAR_ROW_SLAB = 32
+_AGREE: dict[tuple, bool] = {}  # (dtype, in, out, packed) -> short calls match full slabs
 
 
 def _mkldnn_packing_available() -> bool:
@@ -48,6 +52,26 @@ class Linear:
             and _mkldnn_packing_available()
         ):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.pad = False  # pad the last slab to full size (see the module docstring)
+        if row_slab is not None and weight.device.type == "cpu":
+            self.pad = not self._small_calls_agree()
+
+    @torch.inference_mode()
+    def _small_calls_agree(self) -> bool:
+        """Whether rows computed in calls of fewer than ``row_slab`` rows are bit-identical to
+        the same rows inside a full slab, for this weight's shape and dtype (measured once per
+        shape)."""
+        w = self.weight
+        key = (w.dtype, w.shape[1], w.shape[0], self._packed is not None)
+        if key not in _AGREE:
+            gen = torch.Generator().manual_seed(0)
+            x = torch.randn(self.row_slab, w.shape[1], generator=gen).to(w.dtype)
+            full = self._product(x)
+            _AGREE[key] = all(
+                torch.equal(self._product(x[:m]), full[:m])
+                for m in (1, 2, 3, 5, 8, 15, self.row_slab - 1)
+            )
+        return _AGREE[key]
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
@@ -58,12 +82,14 @@ class Linear:
         """x: [N, in] -> [N, out]."""
         n = x.shape[0]
         slab = self.row_slab
-        if slab is None or n <= slab:
+        if slab is None or (n == slab or (n < slab and not self.pad)):
             return self._product(x)
-        out = x.new_empty(n, self.out_features)
-        for i in range(0, n, slab):
+        if self.pad and n % slab:
+            x = torch.cat([x, x.new_zeros(slab - n % slab, x.shape[1])])
+        out = x.new_empty(x.shape[0], self.out_features)
+        for i in range(0, x.shape[0], slab):
             out[i : i + slab] = self._product(x[i : i + slab])
-        return out
+        return out[:n]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -56,6 +56,7 @@ class Scheduler:
         self.num_prompt_tokens_admitted = 0
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
+        self.num_prefix_hits_tier = 0  # of those, tokens loaded from the second tier
         self.num_deferred_admissions = 0  # waits for a prefix another request was computing
 
     def add(self, req: Request, reserved_blocks: int = 0) -> None:
@@ -157,7 +158,8 @@ class Scheduler:
         (request, its cached prefix, whether that lookup was made)."""
         now = time.perf_counter()
         window = self.config.fairness_window_s
-        head = list(self.waiting)[: self.config.admission_lookahead]
+        # a request whose second-tier lookup is still in flight waits for it
+        head = [r for r in self.waiting if r.tier_fetch is None][: self.config.admission_lookahead]
         keyed = []
         for req in head:
             urgent = req.num_preemptions > 0 or now - req.times.arrival > window
@@ -204,6 +206,10 @@ class Scheduler:
                 if req.use_cache:
                     self.num_prefix_queries += req.num_prompt_tokens
                     self.num_prefix_hits += num_cached
+                    if req.tier_loaded and cached is not None:
+                        n_tier = bs * sum(1 for h in cached.block_hashes if h in req.tier_loaded)
+                        req.num_tier_cached_tokens = n_tier
+                        self.num_prefix_hits_tier += n_tier
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
             if req.times.first_scheduled is None:

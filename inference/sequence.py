@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -50,6 +51,13 @@ class Request:
     # chained hashes of the prompt's full blocks in this request's namespace (set by the
     # scheduler on first look; used for cache-aware admission)
     prompt_block_hashes: list[bytes] | None = None
+    # second tier (Redis): a lookup in flight (a future) holds the request back from admission;
+    # the hashes of blocks it loaded tell which of its cached tokens came from that tier
+    tier_fetch: Any = None
+    tier_start_block: int = 0
+    tier_deadline: float = 0.0  # perf_counter time after which the lookup is abandoned
+    tier_loaded: set[bytes] = field(default_factory=set)
+    num_tier_cached_tokens: int = 0  # of num_cached_tokens, those loaded from the second tier
 
     @property
     def all_token_ids(self) -> list[int]:

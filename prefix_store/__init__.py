@@ -6,6 +6,7 @@ Imports nothing else of docqa; the engine drives it.
 from prefix_store.block_pool import Block, BlockPool
 from prefix_store.hashing import HASH_VERSION, BlockHasher, hash_block, root_hash
 from prefix_store.kv_cache_manager import CachedPrefix, KVCacheManager, NoFreeBlocksError
+from prefix_store.redis_tier import RedisTier, TierBlock, TierConfig
 
 __all__ = [
     "HASH_VERSION",
@@ -15,6 +16,9 @@ __all__ = [
     "CachedPrefix",
     "KVCacheManager",
     "NoFreeBlocksError",
+    "RedisTier",
+    "TierBlock",
+    "TierConfig",
     "hash_block",
     "root_hash",
 ]

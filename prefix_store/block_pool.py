@@ -16,6 +16,7 @@ Invariants (``check_integrity``):
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -92,6 +93,16 @@ class BlockPool:
         self.hash_index: dict[bytes, Block] = {}
         self.num_evictions = 0
         self._num_cached_free = 0  # free blocks that still hold a hash
+        # (indexed?, hash) for every index change, once ``watch_index`` is called: read by
+        # another thread (the replica registry) that publishes which hashes this pool holds
+        self.index_events: deque[tuple[bool, bytes]] | None = None
+
+    def watch_index(self) -> list[bytes]:
+        """Start recording index changes in ``index_events``; returns the hashes indexed now.
+        Call it on the thread that owns the pool."""
+        if self.index_events is None:
+            self.index_events = deque()
+        return list(self.hash_index)
 
     @property
     def num_blocks(self) -> int:
@@ -163,6 +174,8 @@ class BlockPool:
         self.hash_index[block_hash] = block
         if block.ref_cnt == 0:
             self._num_cached_free += 1
+        if self.index_events is not None:
+            self.index_events.append((True, block_hash))
         return True
 
     def _evict(self, block: Block) -> None:
@@ -171,6 +184,8 @@ class BlockPool:
             self._num_cached_free -= 1
             if self.hash_index.get(block.block_hash) is block:
                 del self.hash_index[block.block_hash]
+                if self.index_events is not None:
+                    self.index_events.append((False, block.block_hash))
             block.block_hash = None
             block.parent_hash = None
             block.token_ids = ()

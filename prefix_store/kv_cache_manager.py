@@ -147,10 +147,15 @@ class KVCacheManager:
         return state.blocks
 
     def register_computed(
-        self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        newly: list[tuple[Block, bytes, bytes, tuple[int, ...]]] | None = None,
     ) -> int:
         """Register the request's blocks that became full once ``num_computed_tokens`` tokens'
-        KV is written. ``token_ids`` holds at least those tokens. Returns blocks newly indexed.
+        KV is written. ``token_ids`` holds at least those tokens. Returns blocks newly indexed;
+        each is appended to ``newly`` as (block, hash, parent hash, token ids) when given.
         """
         state = self._requests[request_id]
         if not state.use_cache:
@@ -167,6 +172,8 @@ class KVCacheManager:
             h = hash_block(parent, ids)
             if self.pool.register(state.blocks[i], h, parent, ids):
                 added += 1
+                if newly is not None:
+                    newly.append((state.blocks[i], h, parent, ids))
             state.block_hashes.append(h)
             parent = h
         return added

@@ -3,6 +3,7 @@ Llama checkpoints written in Hugging Face layout."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -71,6 +72,16 @@ def write_tiny_model(
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "m", default_model_dir)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _clean_redis_keys():
+    """Remove every key this run wrote to the machine's Redis (its own key prefix)."""
+    yield
+    from svc_helpers import RUN_REDIS_PREFIX, delete_prefix, redis_client
+
+    with contextlib.suppress(RuntimeError):
+        delete_prefix(redis_client(), RUN_REDIS_PREFIX)
 
 
 # -- the service over real HTTP ------------------------------------------------------------------

@@ -17,6 +17,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 PG_ADMIN_URL = os.environ.get("DOCQA_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("DOCQA_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+# every key this test run writes to Redis starts with this (removed at the end of the run)
+RUN_REDIS_PREFIX = f"docqa-test-{uuid.uuid4().hex[:10]}:"
 
 
 def free_port() -> int:
@@ -81,6 +84,7 @@ class Server:
         env["DOCQA_DATABASE_URL"] = self.database_url
         env.pop("DOCQA_API_KEYS", None)
         env.pop("DOCQA_REDIS_URL", None)
+        env["DOCQA_REDIS_PREFIX"] = RUN_REDIS_PREFIX
         if self.api_keys:
             env["DOCQA_API_KEYS"] = self.api_keys
         env.update(self.extra_env)
@@ -135,6 +139,59 @@ def metrics(client: httpx.Client) -> dict[str, float]:
         if m:
             out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
     return out
+
+
+def redis_client(url: str = REDIS_URL):
+    """A client of the machine's Redis; fails (never skips) when it is unreachable."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=5)
+    try:
+        client.ping()
+    except (redis.RedisError, OSError) as e:
+        raise RuntimeError(f"Redis at {url} is required for these tests: {e}") from e
+    return client
+
+
+def delete_prefix(client, prefix: str) -> int:
+    n = 0
+    for key in client.scan_iter(match=prefix + "*", count=1000):
+        n += client.delete(key)
+    return n
+
+
+class RedisServer:
+    """A ``redis-server`` of one test on a free port (never the machine's shared one), so the
+    test may stop and restart it."""
+
+    def __init__(self, log_dir: Path):
+        self.port = free_port()
+        self.log_dir = log_dir
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        cmd = [
+            "redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--dir", str(self.log_dir),
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                redis_client(self.url).close()
+                return self
+            except RuntimeError:
+                time.sleep(0.1)
+        raise RuntimeError(f"redis-server on port {self.port} did not start")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def computed_total(client: httpx.Client) -> float:

@@ -90,7 +90,8 @@ def test_pinned_manual_survives_eviction(default_model_dir, tmp_path):
     srv = Server(
         tmp_path,
         f"sqlite:///{tmp_path / 'pin.db'}",
-        args=("--kv-cache-gib", "0.06", "--pin-budget", "0.5"),
+        # about 2,800 tokens of KV whatever the machine's default dtype
+        args=("--dtype", "float32", "--kv-cache-gib", "0.12", "--pin-budget", "0.5"),
         name="pin",
     ).start()
     try:

@@ -22,6 +22,7 @@ from app.db import Database
 from app.engine_runner import EngineRunner
 from app.metrics import CONTENT_TYPE, ServiceMetrics
 from app.qa import QAService
+from app.replicas import REPLICA_HEADER, ReplicaRegistry
 from app.settings import Settings
 from inference.config import dtype_name
 
@@ -34,10 +35,14 @@ async def health() -> dict[str, str]:
 
 
 async def redis_tier_status(state: State) -> str:
-    """disabled (no DOCQA_REDIS_URL) | ok | degraded (configured but not answering)."""
+    """disabled (no DOCQA_REDIS_URL) | ok | degraded (configured but not answering): the
+    engine's tier once it runs, a ping before."""
     url = state.settings.redis_url
     if not url:
         return "disabled"
+    engine = state.runner.engine
+    if engine is not None and engine.tier is not None:
+        return engine.tier.status
     import redis.asyncio as aioredis
 
     client = state.get("redis_client")
@@ -62,6 +67,9 @@ async def ready(state: State) -> Response:
         "model": runner.model_name,
         "tiers": {"device": "ok", "redis": await redis_tier_status(state)},
     }
+    registry = state.qa.registry
+    if registry is not None:
+        body["replica"] = {"id": registry.id, "url": registry.url, "registered": registry.up}
     if runner.error:
         body["error"] = runner.error
     if not runner.ready:
@@ -124,18 +132,36 @@ def create_app(settings: Settings | None = None, runner: EngineRunner | None = N
         max_num_batched_tokens=settings.max_num_batched_tokens,
         num_threads=settings.num_threads,
         max_waiting=settings.max_waiting_requests,
+        kv_tier=settings.tier_config(),
     )
     runner.observer = service_metrics
     service_metrics.attach(runner)
     db = Database(settings.database_url)
     qa = QAService(settings, db, runner)
+    if settings.redis_url:
+        qa.registry = ReplicaRegistry(
+            settings.redis_url,
+            settings.redis_prefix,
+            settings.advertise_url or "http://127.0.0.1:8000",
+            runner,
+            routing=settings.routing,
+        )
     types = QuestionTypes(settings.max_tokens_cap)
 
     def on_startup(app: Litestar) -> None:
         if runner.state == "loading" and not runner._thread.is_alive():
             runner.start()
+        if qa.registry is not None:
+            qa.registry.start()
+
+    async def add_replica_header(response: Response) -> Response:
+        if qa.registry is not None and REPLICA_HEADER not in response.headers:
+            response.headers[REPLICA_HEADER] = qa.registry.id
+        return response
 
     async def on_shutdown(app: Litestar) -> None:
+        if qa.registry is not None:
+            await qa.registry.stop()
         runner.stop()
         await db.close()
         client = app.state.get("redis_client")
@@ -190,6 +216,7 @@ def create_app(settings: Settings | None = None, runner: EngineRunner | None = N
         ),
         on_startup=[on_startup],
         on_shutdown=[on_shutdown],
+        after_request=add_replica_header,
         exception_handlers=EXCEPTION_HANDLERS,
         openapi_config=openapi,
         request_max_body_size=settings.max_upload_bytes + 2**20,

@@ -3,7 +3,7 @@ CONTRACTS.md (JSON, or SSE with ``stream: true``)."""
 
 import asyncio
 
-from litestar import Controller, Response, delete, get, post
+from litestar import Controller, Request, Response, delete, get, post
 from litestar.params import Parameter
 from sqlalchemy import delete as sa_delete
 from sqlalchemy import func, select
@@ -55,7 +55,10 @@ def _question(text: str) -> str:
     return text
 
 
-async def _respond(qa: QAService, job: Job, stream: bool):
+async def _respond(qa: QAService, job: Job, stream: bool, request: Request):
+    forwarded = await qa.forward(job, request)
+    if forwarded is not None:
+        return forwarded
     handle, task = await qa.submit(job)
     if stream:
         return EventStream(qa.stream(handle, task), request_id=job.request_id)
@@ -151,7 +154,12 @@ def question_controllers(types: QuestionTypes) -> list[type[Controller]]:
             ),
         )
         async def ask(
-            self, qa: QAService, tenant: str, conversation_id: str, data: MessageCreate
+            self,
+            qa: QAService,
+            tenant: str,
+            conversation_id: str,
+            data: MessageCreate,
+            request: Request,
         ) -> Answer | Response:
             question = _question(data.content)
             async with qa.db.session() as s:
@@ -182,7 +190,7 @@ def question_controllers(types: QuestionTypes) -> list[type[Controller]]:
                 tenant=tenant,
                 warnings=list(built.warnings),
             )
-            return await _respond(qa, job, data.stream)
+            return await _respond(qa, job, data.stream, request)
 
     class AskController(Controller):
         path = "/ask"
@@ -193,7 +201,9 @@ def question_controllers(types: QuestionTypes) -> list[type[Controller]]:
             status_code=200,
             summary="One question about a manual, without a conversation",
         )
-        async def ask(self, qa: QAService, tenant: str, data: AskCreate) -> Answer | Response:
+        async def ask(
+            self, qa: QAService, tenant: str, data: AskCreate, request: Request
+        ) -> Answer | Response:
             question = _question(data.question)
             manual = await qa.get_manual(tenant, data.manual_id)
             qa.runner.require_ready()
@@ -211,7 +221,7 @@ def question_controllers(types: QuestionTypes) -> list[type[Controller]]:
                 tenant=tenant,
                 warnings=list(built.warnings),
             )
-            return await _respond(qa, job, data.stream)
+            return await _respond(qa, job, data.stream, request)
 
     return [ConversationController, AskController]
 
@@ -221,10 +231,17 @@ class RequestController(Controller):
     tags = ["questions"]
 
     @post("/{request_id:str}/cancel", status_code=200, summary="Cancel a running answer")
-    async def cancel(self, qa: QAService, tenant: str, request_id: str) -> CancelOut:
+    async def cancel(
+        self, qa: QAService, tenant: str, request_id: str, request: Request
+    ) -> CancelOut:
         """Stops the request (the answer object's ``id``) and frees its KV blocks at once; a
-        conversation turn is stored with finish reason ``cancelled``."""
+        conversation turn is stored with finish reason ``cancelled``. A request forwarded to
+        another replica is cancelled there."""
         handle = qa.runner.find(request_id)
+        if handle is None and qa.registry is not None and not qa.registry.is_local_only(request):
+            remote = await qa.registry.forward_cancel(request_id, request)
+            if remote is not None:
+                return CancelOut(**remote)
         if handle is None or handle.owner != tenant:
             raise ApiError(404, "request_not_found", f"no running request with id {request_id!r}")
         handle.cancel()

@@ -10,7 +10,7 @@ import time
 import uuid
 
 import msgspec
-from litestar import Controller, Response, get, post
+from litestar import Controller, Request, Response, get, post
 
 from app.api.errors import ApiError
 from app.api.schemas import ChatMessage, ModelCard, ModelList, QuestionTypes
@@ -52,7 +52,9 @@ def openai_controllers(types: QuestionTypes) -> list[type[Controller]]:
             )
 
         @post("/chat/completions", status_code=200, summary="Chat completion (OpenAI shape)")
-        async def chat(self, qa: QAService, tenant: str, data: ChatCompletionCreate) -> Response:
+        async def chat(
+            self, qa: QAService, tenant: str, data: ChatCompletionCreate, request: Request
+        ) -> Response:
             runner = qa.runner
             runner.require_ready()
             if data.model and data.model != runner.model_name:
@@ -113,6 +115,9 @@ def openai_controllers(types: QuestionTypes) -> list[type[Controller]]:
                 tenant=tenant,
                 warnings=warnings,
             )
+            forwarded = await qa.forward(job, request)
+            if forwarded is not None:
+                return forwarded
             handle, task = await qa.submit(job)
             created = int(time.time())
             model = runner.model_name

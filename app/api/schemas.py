@@ -59,6 +59,10 @@ class WarmOut(Struct):
     cached_tokens: Annotated[int, Meta(description="of those, tokens now in the cache")]
     computed_tokens: Annotated[int, Meta(description="tokens computed by this call")]
     elapsed_ms: float
+    redis: Annotated[str, Meta(description="Redis tier: disabled, ok or degraded")] = "disabled"
+    redis_cached_tokens: Annotated[
+        int, Meta(description="of prompt_tokens, those Redis holds once this call returns")
+    ] = 0
 
 
 # -- conversations -------------------------------------------------------------------------------

@@ -1,0 +1,205 @@
+"""The Redis tier of the prefix cache, in process, against the machine's real Redis: write-through,
+loading into a second engine and back after eviction (greedy output identical to a cold
+computation), the block format, the memory cap and a Redis that goes away and comes back."""
+
+import os
+import signal
+import time
+
+import pytest
+from svc_helpers import REDIS_URL, RUN_REDIS_PREFIX, RedisServer, delete_prefix, redis_client
+
+from inference import SamplingParams
+from inference.engine import EngineConfig, LLMEngine
+from prefix_store import TierBlock, TierConfig
+from prefix_store.redis_tier import decode_block, encode_block
+from prompts import PromptBuilder
+
+MANUAL = (
+    "The WX-200 washer has four programs. Cotton washes at 60 degrees for 95 minutes. Synthetics "
+    "wash at 40 degrees for 70 minutes. Quick washes at 30 degrees for 20 minutes and suits "
+    "lightly soiled loads. Wool washes cold with slow spins. To pause, press START for two "
+    "seconds. Error F3 means the drain filter is blocked: unscrew the cap behind the kick plate "
+    "and clean it. Error F5 means the door is not locked. Use at most 40 ml of detergent. "
+) * 5
+QUESTIONS = ["What does error F3 mean?", "How long does Cotton take?", "How do I pause?"]
+
+
+def _engine(model_dir, prefix: str, url: str = REDIS_URL, gib: float = 0.1, **kw) -> LLMEngine:
+    tier = TierConfig(url=url, prefix=prefix, retry_s=0.2, **kw.pop("tier", {}))
+    return LLMEngine(EngineConfig(model_dir=model_dir, kv_cache_gib=gib, kv_tier=tier, **kw))
+
+
+def _run(engine: LLMEngine, ids: list[int], use_cache: bool = True, max_tokens: int = 12):
+    req = engine.add_request(ids, SamplingParams(max_tokens=max_tokens), use_cache=use_cache)
+    while not req.finished:
+        engine.step()
+    engine.release(req)
+    return req
+
+
+@pytest.fixture
+def prefix():
+    p = f"{RUN_REDIS_PREFIX}tier-{time.monotonic_ns()}:"
+    yield p
+    delete_prefix(redis_client(), p)
+
+
+def test_block_format_round_trip_and_rejects_others():
+    blk = TierBlock(b"h" * 16, b"p" * 16, tuple(range(16)), bytes(range(256)) * 4)
+    raw = encode_block(blk, 16)
+    back = decode_block(b"h" * 16, raw, 16, 1024)
+    assert back.parent_hash == blk.parent_hash and back.token_ids == blk.token_ids
+    assert bytes(back.payload) == blk.payload
+    assert decode_block(b"h" * 16, raw, 16, 1023) is None  # another payload size
+    assert decode_block(b"h" * 16, raw, 32, 1024) is None  # another block size
+    assert decode_block(b"h" * 16, b"XXXX" + raw[4:], 16, 1024) is None  # not ours
+
+
+def test_second_engine_loads_from_redis_and_answers_the_same(default_model_dir, prefix):
+    a = _engine(default_model_dir, prefix)
+    b = _engine(default_model_dir, prefix)
+    try:
+        builder = PromptBuilder(a.tokenizer)
+        first = builder.build(MANUAL, QUESTIONS[0])
+        second = builder.build(MANUAL, QUESTIONS[1])
+        _run(a, first.token_ids)
+        assert a.tier.flush().result(30)
+        assert a.tier.blocks_written >= first.prefix_len // 16
+
+        computed0 = b.prompt_tokens_computed
+        warm = _run(b, second.token_ids)
+        pre_question = second.prefix_len
+        assert warm.num_tier_cached_tokens >= 0.95 * pre_question, (
+            warm.num_tier_cached_tokens,
+            pre_question,
+        )
+        assert warm.num_cached_tokens == warm.num_tier_cached_tokens
+        assert (
+            b.prompt_tokens_computed - computed0 == len(second.token_ids) - warm.num_cached_tokens
+        )
+        assert b.scheduler.num_prefix_hits_tier == warm.num_tier_cached_tokens
+        # greedy output identical to a cold computation of the same prompt
+        cold = _run(b, second.token_ids, use_cache=False)
+        assert cold.num_cached_tokens == 0
+        assert warm.output_token_ids == cold.output_token_ids
+        b.kv_manager.check_integrity()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_evicted_manual_is_loaded_back_from_redis(default_model_dir, prefix):
+    eng = _engine(default_model_dir, prefix, gib=0.04)  # about 1,800 tokens
+    try:
+        builder = PromptBuilder(eng.tokenizer)
+        p1 = builder.build(MANUAL, QUESTIONS[0]).token_ids
+        p2 = builder.build(MANUAL, QUESTIONS[2])
+        _run(eng, p1)
+        assert eng.tier.flush().result(30)
+
+        def local_hit() -> int:
+            return eng.kv_manager.find_cached_prefix(p2.token_ids).num_cached_tokens
+
+        assert local_hit() >= 0.95 * p2.prefix_len
+        # other manuals fill the pool until the manual is evicted (the system instructions
+        # every prompt starts with may stay)
+        filler = 0
+        while local_hit() > 64:
+            other = builder.build(f"Filler manual {filler}. " + "Unrelated text. " * 200, "Hi?")
+            _run(eng, other.token_ids, max_tokens=1)
+            filler += 1
+            assert filler < 20
+        loaded = _run(eng, p2.token_ids)
+        assert loaded.num_cached_tokens >= 0.95 * p2.prefix_len
+        assert loaded.num_tier_cached_tokens >= loaded.num_cached_tokens - 64
+        cold = _run(eng, p2.token_ids, use_cache=False)
+        assert loaded.output_token_ids == cold.output_token_ids
+        eng.kv_manager.check_integrity()
+    finally:
+        eng.close()
+
+
+def test_memory_cap_trims_the_oldest_blocks(default_model_dir, prefix):
+    # room for 20 blocks of this model (22.5 KiB per token, 16 tokens a block)
+    eng = _engine(default_model_dir, prefix, tier={"max_bytes": 20 * 370_000})
+    try:
+        builder = PromptBuilder(eng.tokenizer)
+        _run(eng, builder.build(MANUAL, QUESTIONS[0]).token_ids, max_tokens=1)
+        assert eng.tier.flush().result(30)
+        r = redis_client()
+        keys = [k for k in r.scan_iter(match=prefix + "kv:*", count=1000) if not k.endswith(b"lru")]
+        assert eng.tier.blocks_written > 30
+        assert len(keys) <= 20 and r.zcard(eng.tier._lru_key) == len(keys)
+    finally:
+        eng.close()
+
+
+def test_redis_going_away_degrades_to_local_and_comes_back(default_model_dir, prefix, tmp_path):
+    server = RedisServer(tmp_path).start()
+    eng = _engine(default_model_dir, prefix, url=server.url)
+    try:
+        builder = PromptBuilder(eng.tokenizer)
+        _run(eng, builder.build(MANUAL, QUESTIONS[0]).token_ids, max_tokens=2)
+        assert eng.tier.flush().result(30) and eng.tier.status == "ok"
+        server.stop()
+        # requests keep succeeding, answered from the local pool
+        p = builder.build(MANUAL, QUESTIONS[1]).token_ids
+        req = _run(eng, p, max_tokens=2)
+        assert req.num_cached_tokens > 0 and req.num_tier_cached_tokens == 0
+        _run(eng, builder.build("Another manual. " * 40, "Why?").token_ids, max_tokens=2)
+        deadline = time.monotonic() + 10
+        while eng.tier.status != "degraded" and time.monotonic() < deadline:
+            _run(eng, builder.build(f"More text {time.time()}. " * 20, "Why?").token_ids, 2)
+        assert eng.tier.status == "degraded"
+        assert eng.tier.writes_dropped > 0 or eng.tier.errors > 0
+        server.start()  # same port
+        deadline = time.monotonic() + 10
+        while eng.tier.status != "ok" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert eng.tier.status == "ok"
+        written = eng.tier.blocks_written
+        _run(eng, builder.build("A manual after the outage. " * 30, "What?").token_ids, 2)
+        assert eng.tier.flush().result(30)
+        assert eng.tier.blocks_written > written
+        assert redis_client(server.url).dbsize() > 0
+    finally:
+        eng.close()
+        server.stop()
+
+
+def test_a_stalled_redis_never_holds_up_the_engine(default_model_dir, prefix, tmp_path):
+    """A Redis that stops answering (SIGSTOP) costs a request at most the lookup wait; steps and
+    writes never wait for it, and the tier recovers when it answers again."""
+    server = RedisServer(tmp_path).start()
+    tier = {"timeout_s": 3.0, "lookup_wait_s": 0.3}
+    eng = _engine(default_model_dir, prefix, url=server.url, tier=tier)
+    try:
+        builder = PromptBuilder(eng.tokenizer)
+        _run(eng, builder.build(MANUAL, QUESTIONS[0]).token_ids, max_tokens=1)
+        assert eng.tier.flush().result(30)
+        baseline = []
+        for i in range(2):
+            t0 = time.perf_counter()
+            _run(eng, builder.build(f"Baseline {i}. " * 60, "Why?").token_ids, max_tokens=2)
+            baseline.append(time.perf_counter() - t0)
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            stalled = []
+            for i in range(3):
+                t0 = time.perf_counter()
+                req = _run(eng, builder.build(f"Stalled {i}. " * 60, "Why?").token_ids, 2)
+                stalled.append(time.perf_counter() - t0)
+                assert req.finish_reason == "length"
+            # each request waited at most the lookup wait, never the 3 s socket timeout
+            assert max(stalled) < max(baseline) + 0.3 + 1.5, (stalled, baseline)
+            assert eng.tier.lookups_abandoned >= 1
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 15
+        while eng.tier.status != "ok" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert eng.tier.status == "ok"
+    finally:
+        eng.close()
+        server.stop()
