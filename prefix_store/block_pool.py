@@ -98,10 +98,12 @@ class BlockPool:
         self.index_events: deque[tuple[bool, bytes]] | None = None
 
     def watch_index(self) -> list[bytes]:
-        """Start recording index changes in ``index_events``; returns the hashes indexed now.
-        Call it on the thread that owns the pool."""
+        """Start (or restart) recording index changes in ``index_events``; returns the hashes
+        indexed now, the state the recorded changes apply to. Call it on the thread that owns
+        the pool."""
         if self.index_events is None:
             self.index_events = deque()
+        self.index_events.clear()
         return list(self.hash_index)
 
     @property

@@ -84,3 +84,17 @@ def test_integrity_detects_corruption():
     b.ref_cnt = 0  # referenced count lost without returning to the queue
     with pytest.raises(AssertionError):
         pool.check_integrity()
+
+
+def test_index_events_record_registrations_and_evictions():
+    pool = BlockPool(2)
+    assert pool.index_events is None and pool.watch_index() == []
+    [b] = pool.allocate(1)
+    h = b"h" * 16
+    assert pool.register(b, h, b"p" * 16, (1, 2))
+    pool.free([b])
+    assert pool.watch_index() == [h]  # a new snapshot: earlier events are dropped
+    assert list(pool.index_events) == []
+    pool.allocate(2)  # reuses b: its hash is evicted
+    assert list(pool.index_events) == [(False, h)]
+    pool.check_integrity()
