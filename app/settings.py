@@ -74,7 +74,8 @@ def _env_number(name: str, kind: type, default):
     try:
         return kind(raw)
     except ValueError:
-        raise ConfigError(f"{name} must be a {kind.__name__}, got {raw!r}") from None
+        what = "a whole number" if kind is int else "a number"
+        raise ConfigError(f"{name} must be {what}, got {raw!r}") from None
 
 
 def _env_flag(name: str, default: bool) -> bool:

@@ -1,0 +1,60 @@
+"""Service settings from the environment: the Redis tier and replica options, with clear errors
+for bad values."""
+
+import pytest
+
+from app.settings import ConfigError, Settings
+
+
+@pytest.fixture
+def env(monkeypatch, tmp_path):
+    monkeypatch.setenv("DOCQA_HOME", str(tmp_path))
+    for name in (
+        "DOCQA_DATABASE_URL",
+        "DOCQA_REDIS_URL",
+        "DOCQA_REDIS_PREFIX",
+        "DOCQA_REDIS_TTL_S",
+        "DOCQA_REDIS_MAX_GIB",
+        "DOCQA_ADVERTISE_URL",
+        "DOCQA_ROUTING",
+        "DOCQA_API_KEYS",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_no_redis_means_no_tier(env):
+    s = Settings.from_env()
+    assert s.redis_url is None and s.tier_config() is None and s.routing
+
+
+def test_tier_options_reach_the_engine(env):
+    env.setenv("DOCQA_REDIS_URL", "redis://127.0.0.1:6379/0")
+    env.setenv("DOCQA_REDIS_PREFIX", "team-a:")
+    env.setenv("DOCQA_REDIS_TTL_S", "600")
+    env.setenv("DOCQA_REDIS_MAX_GIB", "0.5")
+    env.setenv("DOCQA_ROUTING", "off")
+    s = Settings.from_env()
+    t = s.tier_config()
+    assert (t.url, t.prefix, t.ttl_s, t.max_bytes) == (
+        "redis://127.0.0.1:6379/0",
+        "team-a:",
+        600,
+        2**29,
+    )
+    assert s.routing is False
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("DOCQA_REDIS_TTL_S", "soon", "DOCQA_REDIS_TTL_S must be a whole number"),
+        ("DOCQA_REDIS_TTL_S", "0", "DOCQA_REDIS_TTL_S must be at least 1"),
+        ("DOCQA_REDIS_MAX_GIB", "-1", "DOCQA_REDIS_MAX_GIB must be positive"),
+        ("DOCQA_ROUTING", "maybe", "DOCQA_ROUTING must be on or off"),
+    ],
+)
+def test_bad_values_are_refused_with_the_rule(env, name, value, message):
+    env.setenv(name, value)
+    with pytest.raises(ConfigError, match=message):
+        Settings.from_env()
