@@ -204,7 +204,7 @@ class LLMEngine:
                 config.block_size,
                 self.kv_spec.bytes_per_token * config.block_size,
             )
-        self.num_tier_blocks_installed = 0
+        self._tier_pending: list[Request] = []  # requests whose tier lookup is in flight
 
     def close(self) -> None:
         """Stop the second tier's threads (queued writes are flushed first)."""
@@ -282,8 +282,7 @@ class LLMEngine:
         """Ask the second tier for the prompt's blocks past the local pool's longest prefix; the
         request is admitted once the answer is in (``_install_tier_blocks``)."""
         kv = self.kv_manager
-        hashes = kv.hasher(req.namespace).chain(req.prompt_token_ids)
-        req.prompt_block_hashes = hashes
+        hashes = self.scheduler.prompt_hashes(req)
         max_blocks = (req.num_prompt_tokens - 1) // kv.block_size
         k = len(kv.find_cached_prefix(req.prompt_token_ids, req.namespace, hashes).blocks)
         if k >= max_blocks:
@@ -292,26 +291,33 @@ class LLMEngine:
         req.tier_start_block = k
         req.tier_deadline = time.perf_counter() + self.tier.config.lookup_wait_s
         req.tier_fetch = self.tier.fetch(hashes[k:max_blocks], parent)
+        self._tier_pending.append(req)
 
     def _install_tier_blocks(self) -> None:
         """Copy the blocks that finished second-tier lookups found into free device blocks and
         index them, so that admission finds them as a cached prefix."""
         now = time.perf_counter()
-        for req in [r for r in self.scheduler.waiting if r.tier_fetch is not None]:
-            if not req.tier_fetch.done():
+        still: list[Request] = []
+        for req in self._tier_pending:
+            if req.finished:  # aborted while its lookup ran
+                req.tier_fetch = None
+            elif not req.tier_fetch.done():
                 if now > req.tier_deadline:  # a slow Redis: compute instead of waiting
                     req.tier_fetch = None
                     self.tier.lookups_abandoned += 1
-                continue
-            fut, req.tier_fetch = req.tier_fetch, None
-            found: list[TierBlock] = fut.result()
-            if found:
-                self._install(req, found)
+                else:
+                    still.append(req)
+            else:
+                fut, req.tier_fetch = req.tier_fetch, None
+                found: list[TierBlock] = fut.result()
+                if found:
+                    self._install(req, found)
+        self._tier_pending = still
 
     def _install(self, req: Request, found: list[TierBlock]) -> None:
         kv = self.kv_manager
         bs = kv.block_size
-        hashes = req.prompt_block_hashes
+        hashes = self.scheduler.prompt_hashes(req)
         local = kv.find_cached_prefix(req.prompt_token_ids, req.namespace, hashes)
         k = len(local.blocks)
         if k < req.tier_start_block:  # part of the local prefix was evicted meanwhile
@@ -331,11 +337,9 @@ class LLMEngine:
             return
         # a temporary hold on the local prefix keeps the allocation from evicting it
         hold = f"tier:{req.request_id}"
-        blocks = kv.allocate(hold, (k + len(todo)) * bs, local, req.namespace)[k:]
-        cfg = self.model_config
-        data = torch.empty(
-            (len(todo), cfg.num_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim), dtype=self.kv_dtype
-        )
+        end = (k + len(todo)) * bs
+        blocks = kv.allocate(hold, end, local, req.namespace)[k:]
+        data = self._block_buffer(len(todo), torch.device("cpu"))
         raw = data.view(len(todo), -1).view(torch.uint8).numpy()
         for row, blk in zip(raw, todo, strict=True):
             row[:] = np.frombuffer(blk.payload, dtype=np.uint8)
@@ -344,24 +348,25 @@ class LLMEngine:
         for layer, (kc, vc) in enumerate(self.kv_caches):
             kc.index_copy_(0, ids_t, data[:, layer, 0])
             vc.index_copy_(0, ids_t, data[:, layer, 1])
-        for b, blk in zip(blocks, todo, strict=True):
-            if kv.pool.register(b, blk.block_hash, blk.parent_hash, blk.token_ids):
-                req.tier_loaded.add(blk.block_hash)
+        # indexed like computed blocks (their hashes were checked against the prompt's above)
+        indexed: list = []
+        kv.register_computed(hold, req.prompt_token_ids, end, indexed)
+        req.tier_loaded.update(h for _, h, _, _ in indexed)
         kv.free(hold)
-        self.num_tier_blocks_installed += len(todo)
+
+    def _block_buffer(self, n: int, device: torch.device) -> torch.Tensor:
+        """Room for ``n`` blocks' K/V of every layer, in the tier's payload layout
+        [block, layer, k|v, token, kv head, dim]."""
+        cfg = self.model_config
+        shape = (n, cfg.num_layers, 2, self.kv_spec.block_size, cfg.num_kv_heads, cfg.head_dim)
+        return torch.empty(shape, dtype=self.kv_dtype, device=device)
 
     def _write_through(self, newly: list) -> None:
         """Hand newly registered blocks to the second tier: their K/V is copied here, on the
         engine thread, before the blocks can be reused; the writes happen on the tier's own
         thread."""
-        cfg = self.model_config
-        bs = self.kv_spec.block_size
         ids_t = torch.tensor([b.block_id for b, *_ in newly], dtype=torch.int64, device=self.device)
-        data = torch.empty(
-            (len(newly), cfg.num_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim),
-            dtype=self.kv_dtype,
-            device=self.device,
-        )
+        data = self._block_buffer(len(newly), self.device)
         for layer, (kc, vc) in enumerate(self.kv_caches):
             data[:, layer, 0] = kc[ids_t]
             data[:, layer, 1] = vc[ids_t]
@@ -382,19 +387,13 @@ class LLMEngine:
         cached = kv.find_cached_prefix(list(token_ids) + [0], namespace)
         if not cached.blocks:
             return 0
-        parents = [kv.hasher(namespace).root, *cached.block_hashes[:-1]]
-        self._write_through(
-            [
-                (b, h, p, b.token_ids)
-                for b, h, p in zip(cached.blocks, cached.block_hashes, parents, strict=True)
-            ]
-        )
+        self._write_through([(b, b.block_hash, b.parent_hash, b.token_ids) for b in cached.blocks])
         return len(cached.blocks)
 
     def wait_for_tier(self, timeout: float) -> None:
         """Nothing could be scheduled: wait (briefly) for a second-tier lookup to finish
         instead of spinning."""
-        pending = [r.tier_fetch for r in self.scheduler.waiting if r.tier_fetch is not None]
+        pending = [r.tier_fetch for r in self._tier_pending if r.tier_fetch is not None]
         if pending:
             concurrent.futures.wait(
                 pending, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED

@@ -82,7 +82,7 @@ class Linear:
         """x: [N, in] -> [N, out]."""
         n = x.shape[0]
         slab = self.row_slab
-        if slab is None or (n == slab or (n < slab and not self.pad)):
+        if slab is None or n == slab or (n < slab and not self.pad):
             return self._product(x)
         if self.pad and n % slab:
             x = torch.cat([x, x.new_zeros(slab - n % slab, x.shape[1])])

@@ -5,6 +5,7 @@ and recomputes it later (whatever of its prefix is still cached is reused).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -131,7 +132,8 @@ class Scheduler:
         return SchedulerOutput(chunks, preempted)
 
     # -- admission --------------------------------------------------------------------------------
-    def _hashes(self, req: Request) -> list[bytes]:
+    def prompt_hashes(self, req: Request) -> list[bytes]:
+        """The chained hashes of the request's full prompt blocks (computed once)."""
         if req.prompt_block_hashes is None:
             req.prompt_block_hashes = self.kv.hasher(req.namespace).chain(req.prompt_token_ids)
         return req.prompt_block_hashes
@@ -139,7 +141,7 @@ class Scheduler:
     def _lookup(self, req: Request):
         if not req.use_cache:
             return None
-        return self.kv.find_cached_prefix(req.all_token_ids, req.namespace, self._hashes(req))
+        return self.kv.find_cached_prefix(req.all_token_ids, req.namespace, self.prompt_hashes(req))
 
     def _inflight_blocks(self) -> set[bytes]:
         """Hashes of prompt blocks that running requests are computing and have not yet
@@ -149,7 +151,7 @@ class Scheduler:
         out: set[bytes] = set()
         for r in self.running:
             if r.use_cache and r.num_computed_tokens < r.num_prompt_tokens:
-                out.update(self._hashes(r)[r.num_computed_tokens // bs :])
+                out.update(self.prompt_hashes(r)[r.num_computed_tokens // bs :])
         return out
 
     def _admission_order(self) -> list[tuple[Request, CachedPrefix | None, bool]]:
@@ -159,7 +161,8 @@ class Scheduler:
         now = time.perf_counter()
         window = self.config.fairness_window_s
         # a request whose second-tier lookup is still in flight waits for it
-        head = [r for r in self.waiting if r.tier_fetch is None][: self.config.admission_lookahead]
+        ready = (r for r in self.waiting if r.tier_fetch is None)
+        head = list(itertools.islice(ready, self.config.admission_lookahead))
         keyed = []
         for req in head:
             urgent = req.num_preemptions > 0 or now - req.times.arrival > window
@@ -183,7 +186,7 @@ class Scheduler:
                 cached = self._lookup(req)
             num_cached = cached.num_cached_tokens if cached else 0
             if req.use_cache:
-                hashes = self._hashes(req)
+                hashes = self.prompt_hashes(req)
                 k = num_cached // bs
                 if k < len(hashes):
                     if inflight is None:
@@ -221,7 +224,7 @@ class Scheduler:
                 if inflight is None:
                     inflight = self._inflight_blocks()
                 else:
-                    inflight.update(self._hashes(req)[num_cached // bs :])
+                    inflight.update(self.prompt_hashes(req)[num_cached // bs :])
 
     def finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason

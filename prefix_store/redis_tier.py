@@ -117,6 +117,7 @@ class RedisTier:
         self._lock = threading.Condition()
         self._queue: deque[tuple[list[TierBlock], concurrent.futures.Future | None]] = deque()
         self._pending_bytes = 0
+        self._behind = False  # writes are being dropped for a full queue
         self._up = True
         self.reason = ""  # why the tier is degraded
         self._closing = False
@@ -127,7 +128,6 @@ class RedisTier:
         self.bytes_read = 0
         self.writes_dropped = 0
         self.errors = 0
-        self.lookups = 0
         self.lookups_abandoned = 0  # lookups a request stopped waiting for (slow Redis)
         self._loader = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="docqa-tier-load"
@@ -199,11 +199,9 @@ class RedisTier:
                 return False
             if self._pending_bytes + size > self.config.max_pending_bytes:
                 self.writes_dropped += len(blocks)
-                if self.writes_dropped == len(blocks) or self.writes_dropped % 1024 < len(blocks):
-                    log.warning(
-                        "redis tier is slower than the engine: %d blocks dropped so far",
-                        self.writes_dropped,
-                    )
+                if not self._behind:  # once per backlog; the counter tells the rest
+                    log.warning("redis tier is slower than the engine: dropping writes")
+                self._behind = True
                 return False
             self._queue.append((blocks, None))
             self._pending_bytes += size
@@ -242,6 +240,8 @@ class RedisTier:
                     self._pending_bytes = max(
                         0, self._pending_bytes - len(blocks) * self.value_bytes
                     )
+                    if not self._queue:
+                        self._behind = False
 
     def _write_batch(self, blocks: list[TierBlock]) -> None:
         cfg = self.config
@@ -288,7 +288,6 @@ class RedisTier:
             fut = concurrent.futures.Future()
             fut.set_result([])
             return fut
-        self.lookups += 1
         return self._loader.submit(self._fetch, list(block_hashes), parent)
 
     def _fetch(self, block_hashes: list[bytes], parent: bytes) -> list[TierBlock]:
