@@ -2,13 +2,19 @@
 
     .venv/bin/python bench/load.py [--url http://127.0.0.1:8000] [--concurrency 1 4 16]
         [--groups 4] [--prompts-per-group 8] [--manual-tokens 1000] [--question-tokens 32]
-        [--output-tokens 32]
+        [--output-tokens 32] [--requests-per-client 4] [--ramp-s auto]
 
 Each concurrency level gets ``groups`` fresh manuals (the shared prefixes), warms them, then
-``groups * prompts-per-group`` questions are asked by that many concurrent clients (streamed
-``/v1/ask``, greedy, ``ignore_eos`` so every answer has ``output-tokens`` tokens). Reports
-request throughput, output tokens/s, TTFT and TPOT p50/p99 (client side) and the cache hit
-rate, as a table and as JSON under bench/results/. Without ``--url`` it starts its own server.
+``groups * prompts-per-group`` questions (at least ``requests-per-client`` per client, spread
+over the manuals) are asked by that many concurrent clients, each asking its next question
+when its answer is complete (streamed ``/v1/ask``, greedy, ``ignore_eos`` so every answer has
+``output-tokens`` tokens). Clients start spread evenly over ``ramp-s`` seconds, as independent
+users arrive, instead of all in the same instant; ``auto`` is the mean duration of one request
+at the first level, and ``--ramp-s 0`` starts them together (a burst: every question of the
+first round arrives at once, and with equal answer lengths the rounds stay in lockstep).
+Reports request throughput, output tokens/s, TTFT and TPOT p50/p99 (client side) and the cache
+hit rate, as a table and as JSON under bench/results/. Without ``--url`` it starts its own
+server.
 """
 
 from __future__ import annotations
@@ -114,7 +120,7 @@ def one_request(client: httpx.Client, body: dict) -> dict:
     }
 
 
-def run_level(url, headers, tok, args, concurrency: int, rng: random.Random) -> dict:
+def run_level(url, headers, tok, args, concurrency: int, rng: random.Random, ramp_s: float) -> dict:
     with httpx.Client(base_url=url, headers=headers, timeout=900) as c:
         manual_ids = []
         for g in range(args.groups):
@@ -123,16 +129,16 @@ def run_level(url, headers, tok, args, concurrency: int, rng: random.Random) -> 
             c.post(f"/v1/manuals/{m['id']}/warm").raise_for_status()
             manual_ids.append(m["id"])
     work: queue.Queue = queue.Queue()
+    n_jobs = max(args.groups * args.prompts_per_group, concurrency * args.requests_per_client)
     jobs = [
         {
-            "manual_id": mid,
+            "manual_id": manual_ids[i % len(manual_ids)],
             "question": question(rng, tok, args.question_tokens),
             "max_tokens": args.output_tokens,
             "ignore_eos": True,
             "stream": True,
         }
-        for mid in manual_ids
-        for _ in range(args.prompts_per_group)
+        for i in range(n_jobs)
     ]
     rng.shuffle(jobs)
     for j in jobs:
@@ -140,7 +146,8 @@ def run_level(url, headers, tok, args, concurrency: int, rng: random.Random) -> 
     results: list[dict] = []
     lock = threading.Lock()
 
-    def client_loop():
+    def client_loop(delay: float):
+        time.sleep(delay)
         with httpx.Client(base_url=url, headers=headers, timeout=900) as c:
             while True:
                 try:
@@ -152,7 +159,10 @@ def run_level(url, headers, tok, args, concurrency: int, rng: random.Random) -> 
                     results.append(r)
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=client_loop) for _ in range(concurrency)]
+    threads = [
+        threading.Thread(target=client_loop, args=(i * ramp_s / concurrency,))
+        for i in range(concurrency)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -163,6 +173,7 @@ def run_level(url, headers, tok, args, concurrency: int, rng: random.Random) -> 
     out_tokens = sum(r["completion_tokens"] for r in results)
     return {
         "concurrency": concurrency,
+        "ramp_s": ramp_s,
         "requests": len(results),
         "wall_s": wall,
         "request_throughput": len(results) / wall,
@@ -187,6 +198,13 @@ def main() -> int:
     ap.add_argument("--manual-tokens", type=int, default=1000)
     ap.add_argument("--question-tokens", type=int, default=32)
     ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--requests-per-client", type=int, default=4)
+    ap.add_argument(
+        "--ramp-s",
+        default="auto",
+        help="seconds over which the clients start (auto: one request's mean duration at the "
+        "first level; 0: all at once)",
+    )
     ap.add_argument("--max-batched-tokens", type=int, default=None, help="for a started server")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -211,9 +229,12 @@ def main() -> int:
     rng = random.Random(args.seed)
     levels = []
     try:
+        ramp = 0.0 if args.ramp_s == "auto" else float(args.ramp_s)
         for n in args.concurrency:
-            lvl = run_level(url, headers, tok, args, n, rng)
+            lvl = run_level(url, headers, tok, args, n, rng, ramp if n > 1 else 0.0)
             levels.append(lvl)
+            if args.ramp_s == "auto" and len(levels) == 1:
+                ramp = statistics.mean(r["e2e_ms"] for r in lvl["per_request"]) / 1000
             print(
                 json.dumps({k: v for k, v in lvl.items() if k != "per_request"}),
                 file=sys.stderr,
@@ -226,7 +247,8 @@ def main() -> int:
     print(
         f"\nworkload: {args.groups} manuals x {args.prompts_per_group} questions, manual "
         f"~{args.manual_tokens} tokens, question ~{args.question_tokens}, output "
-        f"{args.output_tokens} (greedy, ignore_eos), manuals warmed first\n"
+        f"{args.output_tokens} (greedy, ignore_eos), manuals warmed first; clients start over "
+        f"{levels[-1]['ramp_s']:.2f} s\n"
     )
     print(
         "| clients | req/s | output tok/s | x 1 client | TTFT p50 ms | TTFT p99 ms "

@@ -245,9 +245,11 @@ class Transformers(System):
 
 def best_cpu_dtype() -> str:
     """The dtype docqa's ``auto`` picks here, so that transformers runs in the same one."""
-    from inference.engine import cpu_has_native_bf16
+    import torch
 
-    return "bfloat16" if cpu_has_native_bf16() else "float32"
+    from inference.engine import resolve_dtype
+
+    return "bfloat16" if resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16 else "float32"
 
 
 SYSTEMS = {s.name: s for s in (Docqa, DocqaNoCache, LlamaServer, Transformers)}

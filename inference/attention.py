@@ -6,16 +6,22 @@ block_size + offset`` (-1: do not store); ``block_tables`` int32 ``[num_seqs, ma
 padded with 0; ``seq_lens`` the context length including this step's new tokens.
 
 Batch invariance: a query's output must not depend on how many queries or sequences are
-computed with it, nor on how its prompt was chunked. The reference path therefore
-- computes prefill queries in slabs of ``PREFILL_QUERY_SLAB`` rows, padded, so every score and
-  value product of a prefill has the same shape whatever the chunk length;
-- reduces over keys in tiles of ``KEY_TILE`` keys, in order from key 0, with an online softmax;
-  tiles wholly after a query contribute exact zeros, so they can be skipped;
-- handles one sequence per call, so batching sequences changes nothing.
-Decode tokens (one new token after a sampled one) take a shorter path of their own: one
-product over the whole context. It is invariant to batching by the same per-sequence rule,
-but its rounding differs from a prompt chunk's, so a prompt chunk of one token still takes the
-prefill path.
+computed with it, nor on how its prompt was chunked. The reference path therefore works in
+fixed shapes, the same for every step:
+- a query token at position ``p`` attends its context in tiles of ``tile`` keys from key 0
+  (tiles ``0 .. p // tile``); the last tile is masked past ``p``;
+- every (query token, key tile) pair is one slot of a *work item*: a product of a fixed number
+  of query rows against one tile's keys. Tokens whose tile holds the same blocks (one
+  sequence's consecutive prompt tokens, or many sequences asking about one cached manual) share
+  an item, so shared keys are read once; padding slots repeat a real row;
+- all items of a step go through one fused attention call per layer, which returns each row's
+  output and log-sum-exp; each token then merges its own tiles in order 0, 1, ... .
+A row's result depends only on its query, its position and its tiles' keys: never on which
+other tokens share its items or its step. Prompt tokens and decode tokens (one new token after
+a sampled one) form two families with their own shapes: prompt tokens in items of
+``PREFILL_SLAB`` tokens over ``PREFILL_TILE`` keys, decode tokens in items of ``DECODE_SLAB``
+query rows over ``DECODE_TILE`` keys. A prompt chunk of one token still belongs to the prompt
+family, so chunking never changes which family a token is computed in.
 """
 
 from __future__ import annotations
@@ -24,8 +30,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-PREFILL_QUERY_SLAB = 64  # queries per prefill score product (padded)
-KEY_TILE = 512  # keys per reduction step; a multiple of every supported block size
+PREFILL_TILE = 512  # keys per prompt-token work item; a multiple of every supported block size
+PREFILL_SLAB = 32  # prompt tokens per work item (times the query heads per KV head: rows)
+DECODE_TILE = 128  # keys per decode work item: the granularity at which sequences share keys
+DECODE_SLAB = 32  # query rows per decode work item (whole tokens: 32 // group of them)
+SHARED_TILE_ITEMS = 4  # items reading one tile that make it worth a call of its own
 
 
 @dataclass(slots=True)
@@ -101,123 +110,170 @@ def store_kv_reference(
     v_cache.view(nb * bs, kvh, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
-def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """[kvh, len(block_ids) * block_size, d]: one sequence's cache positions, in order.
-
-    Whole blocks are gathered as flat rows, several times faster on CPU than indexing the
-    4-d cache."""
-    nb, bs, kvh, d = cache.shape
-    rows = cache.view(nb, bs * kvh * d).index_select(0, block_ids)
-    return rows.view(-1, kvh, d).permute(1, 0, 2)
-
-
 # Fused per-tile attention on CPU (blocked, vectorized; returns the tile's output and the
 # log-sum-exp of each row, which is all a merge across tiles needs).
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-DECODE_TILE = 128  # keys per decode product: the granularity at which sequences share keys
-DECODE_SLAB = 32  # query rows per decode product (padded): fixed, so rows never interact
-
-
 @dataclass(slots=True)
-class _DecodePlan:
-    """How a step's decode tokens are grouped, built once per step and used by every layer.
+class _TilePlan:
+    """How one family of a step's query tokens is cut into work items, built once per step and
+    used by every layer.
 
-    Every decode sequence's context is cut into tiles of ``DECODE_TILE`` keys from key 0.
-    Tiles with the same blocks (the same cached prefix, e.g. one manual asked about by many
-    users) form one group, and each group is computed once for all its sequences: the shared
-    keys are read once and the queries of up to ``slab_seqs`` sequences share one product."""
+    ``G`` items of ``S`` token slots each, ``D`` tokens, each token in up to ``max tiles``
+    items (one per tile of its context)."""
 
     q_index: torch.Tensor  # [G, S] query row of each slot (padding slots repeat a real row)
-    blocks: torch.Tensor  # [G * blocks per tile] block ids of each group's tile
+    blocks: torch.Tensor  # [G * blocks per tile] block ids of each item's tile
     bias: torch.Tensor  # [G, 1, S * group, tile] 0 where a row may see the key, -inf past it
-    seq_rows: torch.Tensor  # [D] query row of each decode sequence
-    slot_g: torch.Tensor  # [D, max tiles] group of (sequence, tile) (0 where absent)
-    slot_s: torch.Tensor  # [D, max tiles] slot within that group
-    absent: torch.Tensor  # [D, max tiles, 1, 1] True past a sequence's last tile
-    last_tile: torch.Tensor  # [D] index of each sequence's last tile
-    slab_seqs: int
+    rows: torch.Tensor  # [D] query row of each token
+    slot_g: torch.Tensor  # [D, max tiles] item of (token, tile) (0 where absent)
+    slot_s: torch.Tensor  # [D, max tiles] slot within that item
+    absent: torch.Tensor  # [D, max tiles, 1, 1] True past a token's last tile
+    last_tile: torch.Tensor  # [D] index of each token's last tile
+    # how the items are computed (the results do not depend on it: every item has the same
+    # shape): tiles that many items read (a long prompt chunk) are gathered once and read by
+    # all their items in one call; the other items go through one call with their tiles
+    # gathered item by item
+    shared: list[tuple[torch.Tensor, int, int]]  # (tile's block ids, first item, end item)
+    rest: torch.Tensor | None  # [items] not in ``shared``; None when every item is
+    merge_by_tile: bool  # prompt tokens merge tile by tile, decode tokens all tiles at once
 
 
-def _decode_plan(meta: AttentionMetadata, block_size: int, group: int, device) -> _DecodePlan:
-    key = ("decode", block_size, group)
-    plan = meta.scratch.get(key)
-    if plan is not None:
-        return plan
-    per_tile = max(1, DECODE_TILE // block_size)
+def _tile_plan(
+    meta: AttentionMetadata,
+    block_size: int,
+    group: int,
+    device,
+    decode: bool,
+) -> _TilePlan | None:
+    """The work items of the step's decode tokens (``decode``) or prompt tokens; None when
+    the step has none."""
+    key = ("tiles", decode, block_size, group)
+    if key in meta.scratch:
+        return meta.scratch[key]
+    tile_keys = DECODE_TILE if decode else PREFILL_TILE
+    per_tile = max(1, tile_keys // block_size)
     tile = per_tile * block_size
-    slab_seqs = max(1, DECODE_SLAB // group)
-    groups: dict[tuple, list[int]] = {}  # (tile index, blocks) -> decode sequence numbers
-    seq_rows, seq_lens, seq_tiles = [], [], []
+    slab = max(1, DECODE_SLAB // group) if decode else PREFILL_SLAB
+    groups: dict[tuple, list[int]] = {}  # (tile index, blocks) -> token numbers
+    rows, pos, tiles_of = [], [], []
     start = 0
     for i, (sl, ql, dec) in enumerate(
         zip(meta.seq_lens_list, meta.query_lens_list, meta.is_decode_list, strict=True)
     ):
-        if dec:
-            n = len(seq_rows)
-            seq_rows.append(start)
-            seq_lens.append(sl)
-            table = meta.block_tables[i].tolist()
-            n_tiles = -(-sl // tile)
-            seq_tiles.append(n_tiles)
-            nblk = -(-sl // block_size)
-            for t in range(n_tiles):
-                ids = tuple(table[t * per_tile : min((t + 1) * per_tile, nblk)])
-                groups.setdefault((t, ids), []).append(n)
+        if dec != decode:
+            start += ql
+            continue
+        table = meta.block_tables[i].tolist()
+        nblk = -(-sl // block_size)
+        tile_ids = [
+            tuple(table[t * per_tile : min((t + 1) * per_tile, nblk)])
+            for t in range(-(-sl // tile))
+        ]
+        for j in range(ql):
+            p = sl - ql + j
+            n = len(rows)
+            rows.append(start + j)
+            pos.append(p)
+            tiles_of.append(p // tile + 1)
+            for t in range(p // tile + 1):
+                groups.setdefault((t, tile_ids[t]), []).append(n)
         start += ql
-    q_index, blocks, tile_start, slot_len = [], [], [], []
-    max_tiles = max(seq_tiles)
-    placement: list[tuple[int, int, int, int]] = []  # (sequence, tile, group, slot)
+    if not rows:
+        meta.scratch[key] = None
+        return None
+    q_index, blocks, tile_start, slot_pos = [], [], [], []
+    placement: list[tuple[int, int, int, int]] = []  # (token, tile, item, slot)
+    shared_tiles: list[tuple[list[int], int, int]] = []
+    rest: list[int] = []
     for (t, ids), members in groups.items():
-        for c in range(0, len(members), slab_seqs):
-            chunk = members[c : c + slab_seqs]
+        first = len(q_index)
+        n_items = -(-len(members) // slab)
+        if n_items >= SHARED_TILE_ITEMS:
+            shared_tiles.append((list(ids) + [0] * (per_tile - len(ids)), first, first + n_items))
+        else:
+            rest.extend(range(first, first + n_items))
+        for c in range(0, len(members), slab):
+            chunk = members[c : c + slab]
             g = len(q_index)
-            pad = slab_seqs - len(chunk)
-            q_index.append([seq_rows[m] for m in chunk] + [seq_rows[chunk[0]]] * pad)
+            pad = slab - len(chunk)
+            q_index.append([rows[m] for m in chunk] + [rows[chunk[0]]] * pad)
             blocks.extend(list(ids) + [0] * (per_tile - len(ids)))
             tile_start.append(t * tile)
-            slot_len.append([seq_lens[m] for m in chunk] + [2**30] * pad)
-            for k, m in enumerate(chunk):
-                placement.append((m, t, g, k))
-    slot_g = torch.zeros((len(seq_rows), max_tiles), dtype=torch.int64)
+            slot_pos.append([pos[m] for m in chunk] + [pos[chunk[0]]] * pad)
+            for s, m in enumerate(chunk):
+                placement.append((m, t, g, s))
+    max_tiles = max(tiles_of)
+    slot_g = torch.zeros((len(rows), max_tiles), dtype=torch.int64)
     slot_s = torch.zeros_like(slot_g)
-    absent = torch.ones((len(seq_rows), max_tiles, 1, 1), dtype=torch.bool)
-    for m, t, g, k in placement:
-        slot_g[m, t], slot_s[m, t], absent[m, t] = g, k, False
-    lens_rows = torch.tensor(slot_len, dtype=torch.int64).repeat_interleave(group, dim=1)
+    absent = torch.ones((len(rows), max_tiles, 1, 1), dtype=torch.bool)
+    if placement:
+        m_i, t_i, g_i, s_i = (torch.tensor(x) for x in zip(*placement, strict=True))
+        slot_g[m_i, t_i] = g_i
+        slot_s[m_i, t_i] = s_i
+        absent[m_i, t_i] = False
+    pos_rows = torch.tensor(slot_pos, dtype=torch.int64).repeat_interleave(group, dim=1)
     key_pos = torch.tensor(tile_start).view(-1, 1, 1) + torch.arange(tile).view(1, 1, -1)
-    bias = torch.zeros(key_pos.shape[0], lens_rows.shape[1], tile)
-    bias.masked_fill_(key_pos >= lens_rows.view(len(q_index), -1, 1), float("-inf"))
-    plan = _DecodePlan(
+    bias = torch.zeros(len(q_index), pos_rows.shape[1], tile)
+    bias.masked_fill_(key_pos > pos_rows.view(len(q_index), -1, 1), float("-inf"))
+    plan = _TilePlan(
         q_index=torch.tensor(q_index, dtype=torch.int64, device=device),
         blocks=torch.tensor(blocks, dtype=torch.int64, device=device),
         bias=bias.view(len(q_index), 1, -1, tile).to(device),
-        seq_rows=torch.tensor(seq_rows, dtype=torch.int64, device=device),
+        rows=torch.tensor(rows, dtype=torch.int64, device=device),
         slot_g=slot_g.to(device),
         slot_s=slot_s.to(device),
         absent=absent.to(device),
-        last_tile=torch.tensor([n - 1 for n in seq_tiles], dtype=torch.int64, device=device),
-        slab_seqs=slab_seqs,
+        last_tile=torch.tensor([n - 1 for n in tiles_of], dtype=torch.int64, device=device),
+        shared=[
+            (torch.tensor(ids, dtype=torch.int64, device=device), lo, hi)
+            for ids, lo, hi in shared_tiles
+        ],
+        merge_by_tile=not decode,
+        rest=(
+            None
+            if len(rest) == len(q_index)
+            else torch.tensor(rest, dtype=torch.int64, device=device)
+        ),
     )
     meta.scratch[key] = plan
     return plan
 
 
-def _decode_attention(
+def _attend_items(
+    qg: torch.Tensor,  # [n, kvh, rows, d]
+    keys: torch.Tensor,  # [n, kvh, tile, d]
+    values: torch.Tensor,  # [n, kvh, tile, d]
+    bias: torch.Tensor,  # [n, 1, rows, tile]
+    scale: float,
+    fused: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each item's normalized output [n, kvh, rows, d] and log-sum-exp [n, kvh, rows], both
+    float32."""
+    if fused:
+        o, lse = _FLASH_CPU(qg, keys, values, 0.0, False, attn_mask=bias, scale=scale)
+        return o.float(), lse
+    s = torch.matmul(qg, keys.transpose(2, 3)).float().mul_(scale).add_(bias.float())
+    s_max = s.amax(dim=-1)
+    p = torch.exp(s - s_max[..., None])
+    l_sum = p.sum(dim=-1)
+    o = torch.matmul(p.to(values.dtype), values).float() / l_sum[..., None]
+    return o, s_max + torch.log(l_sum)
+
+
+def _tile_attention(
     q: torch.Tensor,  # [num_tokens, H, d]
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    plan: _DecodePlan,
+    plan: _TilePlan,
     scale: float,
-) -> torch.Tensor:  # [D, H, d] float32, in plan.seq_rows order
-    """Decode attention of all decode sequences of a step, tile groups at once.
-
-    Per group: scores of ``[S * group, d] x [d, tile]`` per KV head in one batched product
-    of fixed shape, the tile's own max, exp-sum and weighted values; then each sequence merges
-    its tiles in order 0, 1, ... (a running sum, exact for absent tiles), so a sequence's result
-    does not depend on which other sequences share the step or its groups.
-    """
+) -> torch.Tensor:  # [D, H, d] float32, in plan.rows order
+    """Attention of one family of tokens: all work items in one product of fixed shape per
+    item (scores of ``[S * group, d] x [d, tile]`` per KV head), each row's tile output and
+    log-sum-exp; then each token merges its tiles in order 0, 1, ... (a running sum, exact
+    for absent tiles), so a token's result does not depend on which other tokens share the
+    step or its items."""
     num_tokens, num_heads, d = q.shape
     nb, bs, kvh, _ = k_cache.shape
     group = num_heads // kvh
@@ -226,125 +282,62 @@ def _decode_attention(
     tile = plan.blocks.numel() // G * bs
     qg = q[plan.q_index].view(G, S, kvh, group, d).permute(0, 2, 1, 3, 4)
     qg = qg.reshape(G, kvh, rows, d)
-    keys = k_cache.view(nb, -1).index_select(0, plan.blocks).view(G, tile, kvh, d)
-    values = v_cache.view(nb, -1).index_select(0, plan.blocks).view(G, tile, kvh, d)
-    values = values.permute(0, 2, 1, 3).contiguous()  # [G, kvh, tile, d]
-    if _FLASH_CPU is not None and q.device.type == "cpu":
-        # fused per group tile: normalized output and each row's log-sum-exp
-        keys = keys.permute(0, 2, 1, 3).contiguous()  # [G, kvh, tile, d]
-        if plan.bias.dtype != q.dtype:  # once per step: every layer shares the plan
-            plan.bias = plan.bias.to(q.dtype)
-        o_t, m_t = _FLASH_CPU(qg, keys, values, 0.0, False, attn_mask=plan.bias, scale=scale)
-        o_t = o_t.float()
-        l_t = torch.ones_like(m_t)
+    k_flat, v_flat = k_cache.view(nb, -1), v_cache.view(nb, -1)
+
+    def tiles(cache_flat: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        # [n, kvh, tile, d], a strided view of the gathered blocks
+        return cache_flat.index_select(0, block_ids).view(-1, tile, kvh, d).permute(0, 2, 1, 3)
+
+    fused = _FLASH_CPU is not None and q.device.type == "cpu"
+    if fused and plan.bias.dtype != q.dtype:  # once per step: every layer shares the plan
+        plan.bias = plan.bias.to(q.dtype)
+    if not plan.shared:
+        o_t, m_t = _attend_items(
+            qg, tiles(k_flat, plan.blocks), tiles(v_flat, plan.blocks), plan.bias, scale, fused
+        )
     else:
-        keys = keys.permute(0, 2, 3, 1).contiguous()  # [G, kvh, d, tile]
-        s = torch.matmul(qg, keys).float().mul_(scale).add_(plan.bias.float())
-        m_t = s.amax(dim=-1)  # [G, kvh, rows]
-        p = torch.exp(s - m_t[..., None])
-        l_t = p.sum(dim=-1)
-        o_t = torch.matmul(p.to(values.dtype), values).float()  # [G, kvh, rows, d]
+        o_t = q.new_empty((G, kvh, rows, d), dtype=torch.float32)
+        m_t = q.new_empty((G, kvh, rows), dtype=torch.float32)
+        for ids, lo, hi in plan.shared:
+            n = hi - lo
+            keys = tiles(k_flat, ids).expand(n, -1, -1, -1)
+            values = tiles(v_flat, ids).expand(n, -1, -1, -1)
+            o_t[lo:hi], m_t[lo:hi] = _attend_items(
+                qg[lo:hi], keys, values, plan.bias[lo:hi], scale, fused
+            )
+        if plan.rest is not None and plan.rest.numel():
+            per_tile = plan.blocks.numel() // G
+            ids = plan.blocks.view(G, per_tile)[plan.rest].reshape(-1)
+            o, m = _attend_items(
+                qg[plan.rest],
+                tiles(k_flat, ids),
+                tiles(v_flat, ids),
+                plan.bias[plan.rest],
+                scale,
+                fused,
+            )
+            o_t.index_copy_(0, plan.rest, o)
+            m_t.index_copy_(0, plan.rest, m)
 
     gi, si = plan.slot_g, plan.slot_s
     m_all = m_t.view(G, kvh, S, group)[gi, :, si]  # [D, tiles, kvh, group]
     m_all.masked_fill_(plan.absent, float("-inf"))
-    l_all = l_t.view(G, kvh, S, group)[gi, :, si]
-    o_all = o_t.view(G, kvh, S, group, d)[gi, :, si]  # [D, tiles, kvh, group, d]
     m = m_all.amax(dim=1, keepdim=True)
     w = torch.exp(m_all - m)  # absent tiles: 0
+    o_rows = o_t.view(G, kvh, S, group, d)
     last = plan.last_tile.view(-1, 1, 1, 1)
-    l_sum = torch.cumsum(w * l_all, dim=1).gather(1, last.expand(-1, 1, kvh, group))
-    idx = last.view(-1, 1, 1, 1, 1).expand(-1, 1, kvh, group, d)
-    o_sum = torch.cumsum(w[..., None] * o_all, dim=1).gather(1, idx)
-    return (o_sum[:, 0] / l_sum[:, 0, ..., None]).reshape(-1, num_heads, d)
-
-
-def _slab_positions(first: int, n: int, group: int, device) -> torch.Tensor:
-    """[group * PREFILL_QUERY_SLAB] positions of a slab's query rows (row = g * slab + j); the
-    padding rows repeat the last real position."""
-    pos = torch.arange(first, first + PREFILL_QUERY_SLAB, device=device)
-    pos[n:] = first + n - 1
-    return pos.repeat(group)
-
-
-def _attend_queries(
-    q: torch.Tensor,  # [kvh, M, d] queries grouped by KV head (M = group * slab)
-    keys: torch.Tensor,  # [kvh, n_tiles * KEY_TILE, d]
-    values: torch.Tensor,  # [kvh, n_tiles * KEY_TILE, d]
-    scale: float,
-    first_pos: int,  # position of the slab's first query
-    n: int,  # real queries in the slab
-    scratch: dict,  # per-step cache: positions and masks are the same for every layer
-    group: int,
-) -> torch.Tensor:  # [kvh, M, d] float32
-    """Each key tile is attended on its own (fixed shapes: a slab of queries against
-    ``KEY_TILE`` keys), then tiles merge in order by their rows' log-sum-exp."""
-    key = ("slab", first_pos, n, group)
-    q_pos = scratch.get(key)
-    if q_pos is None:
-        q_pos = scratch[key] = _slab_positions(first_pos, n, group, q.device)
-    if _FLASH_CPU is None or q.device.type != "cpu":
-        return _attend_queries_unfused(q, q_pos, keys, values, scale, first_pos)
-    n_tiles = keys.shape[1] // KEY_TILE
-    lse = acc = None
-    for t in range(n_tiles):
-        lo = t * KEY_TILE
-        k_t = keys[None, :, lo : lo + KEY_TILE]
-        v_t = values[None, :, lo : lo + KEY_TILE]
-        mask = dead = None
-        if lo + KEY_TILE - 1 > first_pos:  # some key lies after some query
-            mkey = ("mask", first_pos, n, group, lo, q.dtype)
-            if mkey not in scratch:
-                key_pos = torch.arange(lo, lo + KEY_TILE, device=q.device)
-                m = torch.zeros(q.shape[1], KEY_TILE, dtype=q.dtype, device=q.device)
-                m.masked_fill_(key_pos[None, :] > q_pos[:, None], float("-inf"))
-                scratch[mkey] = (m, (q_pos < lo)[None, :])
-            mask, dead = scratch[mkey]
-        o_t, lse_t = _FLASH_CPU(q[None], k_t, v_t, 0.0, False, attn_mask=mask, scale=scale)
-        o_t, lse_t = o_t[0].float(), lse_t[0]
-        if acc is None:  # tile 0 holds key 0, which every query sees
-            acc, lse = o_t, lse_t
-            continue
-        if dead is not None:  # rows that see no key of this tile take no part in it
-            lse_t = lse_t.masked_fill(dead, float("-inf"))
-        new = torch.logaddexp(lse, lse_t)
-        acc = acc * torch.exp(lse - new)[..., None] + o_t * torch.exp(lse_t - new)[..., None]
-        lse = new
-    return acc
-
-
-def _attend_queries_unfused(
-    q: torch.Tensor,  # [kvh, M, d] queries grouped by KV head (M = group * num_queries)
-    q_pos: torch.Tensor,  # [M] absolute positions
-    keys: torch.Tensor,  # [kvh, n_tiles * KEY_TILE, d]
-    values: torch.Tensor,  # [kvh, n_tiles * KEY_TILE, d]
-    scale: float,
-    first_pos: int = 0,  # the smallest of q_pos: tiles wholly before it need no mask
-) -> torch.Tensor:  # [kvh, M, d] float32
-    n_tiles = keys.shape[1] // KEY_TILE
-    m = l = acc = None
-    for t in range(n_tiles):
-        lo = t * KEY_TILE
-        k_t = keys[:, lo : lo + KEY_TILE]
-        s = torch.matmul(q, k_t.transpose(1, 2)).float().mul_(scale)  # [kvh, M, T]
-        if lo + KEY_TILE - 1 > first_pos:  # some key lies after some query
-            key_pos = torch.arange(lo, lo + KEY_TILE, device=q.device)
-            s.masked_fill_(key_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        s_max = s.amax(dim=-1)
-        if m is None:  # tile 0 holds key 0, which every query sees
-            m_new = s_max
-            p = s.sub_(m_new[..., None]).exp_()
-            l = p.sum(dim=-1)
-            acc = torch.matmul(p.to(values.dtype), values[:, lo : lo + KEY_TILE]).float()
-        else:
-            m_new = torch.maximum(m, s_max)
-            alpha = torch.exp(m - m_new)
-            p = s.sub_(m_new[..., None]).exp_()
-            l = l * alpha + p.sum(dim=-1)
-            pv = torch.matmul(p.to(values.dtype), values[:, lo : lo + KEY_TILE]).float()
-            acc = acc * alpha[..., None] + pv
-        m = m_new
-    return acc / l[..., None]
+    l_sum = torch.cumsum(w, dim=1).gather(1, last.expand(-1, 1, kvh, group))[:, 0]
+    if plan.merge_by_tile:
+        # tile by tile (few tiles, many tokens): the same sums in the same order, without
+        # holding every tile's rows at once
+        acc = w[:, 0, ..., None] * o_rows[gi[:, 0], :, si[:, 0]]
+        for t in range(1, gi.shape[1]):
+            acc = acc + w[:, t, ..., None] * o_rows[gi[:, t], :, si[:, t]]
+    else:
+        o_all = o_rows[gi, :, si]  # [D, tiles, kvh, group, d]
+        idx = last.view(-1, 1, 1, 1, 1).expand(-1, 1, kvh, group, d)
+        acc = torch.cumsum(w[..., None] * o_all, dim=1).gather(1, idx)[:, 0]
+    return (acc / l_sum[..., None]).reshape(-1, num_heads, d)
 
 
 def paged_attention_reference(
@@ -361,55 +354,15 @@ def paged_attention_reference(
     and attends to positions ``<= seq_len - q_len + j``. KV must already be stored.
     """
     num_tokens, num_heads, d = q.shape
-    kvh = k_cache.shape[2]
-    group = num_heads // kvh
+    group = num_heads // k_cache.shape[2]
+    bs = k_cache.shape[1]
     if out is None:
         out = torch.empty_like(q)
-    bs = k_cache.shape[1]
-    any_decode = False
-    start = 0
-    for i, (sl, ql, nblk, decode) in enumerate(
-        zip(
-            meta.seq_lens_list,
-            meta.query_lens_list,
-            meta.num_blocks_list,
-            meta.is_decode_list,
-            strict=True,
-        )
-    ):
-        if decode:
-            any_decode = True
-            start += 1
-            continue
-        first_pos = sl - ql
-        slab = PREFILL_QUERY_SLAB
-        block_ids = meta.scratch.get(("prefill blocks", i))
-        if block_ids is None:
-            # pad with block 0 (finite; fully masked) up to a whole number of key tiles
-            pad = -(-sl // KEY_TILE) * KEY_TILE // bs - nblk
-            block_ids = meta.block_tables[i, :nblk].to(torch.int64)
-            if pad:
-                block_ids = torch.cat([block_ids, block_ids.new_zeros(pad)])
-            meta.scratch[("prefill blocks", i)] = block_ids
-        all_keys = _gather_kv(k_cache, block_ids)
-        all_values = _gather_kv(v_cache, block_ids)
-        for s0 in range(0, ql, slab):
-            n = min(slab, ql - s0)
-            last_pos = first_pos + s0 + n - 1
-            key_len = -(-(last_pos + 1) // KEY_TILE) * KEY_TILE
-            keys, values = all_keys[:, :key_len], all_values[:, :key_len]
-            qs = q.new_zeros(slab, num_heads, d)  # padded to a full slab: shapes never change
-            qs[:n] = q[start + s0 : start + s0 + n]
-            # [slab, kvh, group, d] -> [kvh, group * slab, d]; row = g * slab + j
-            qg = qs.view(slab, kvh, group, d).permute(1, 2, 0, 3).reshape(kvh, group * slab, d)
-            o = _attend_queries(qg, keys, values, scale, first_pos + s0, n, meta.scratch, group)
-            o = o.view(kvh, group, slab, d).permute(2, 0, 1, 3).reshape(slab, num_heads, d)
-            out[start + s0 : start + s0 + n] = o[:n].to(out.dtype)
-        start += ql
-    if any_decode:
-        plan = _decode_plan(meta, bs, group, q.device)
-        o = _decode_attention(q, k_cache, v_cache, plan, scale)
-        out.index_copy_(0, plan.seq_rows, o.to(out.dtype))
+    for decode in (False, True):
+        plan = _tile_plan(meta, bs, group, q.device, decode)
+        if plan is not None:
+            o = _tile_attention(q, k_cache, v_cache, plan, scale)
+            out.index_copy_(0, plan.rows, o.to(out.dtype))
     return out
 
 
