@@ -2,19 +2,19 @@
 
     .venv/bin/python bench/load.py [--url http://127.0.0.1:8000] [--concurrency 1 4 16]
         [--groups 4] [--prompts-per-group 8] [--manual-tokens 1000] [--question-tokens 32]
-        [--output-tokens 32] [--requests-per-client 4] [--ramp-s auto]
+        [--output-tokens 32] [--output-spread 0.5] [--requests-per-client 4] [--ramp-s auto]
 
 Each concurrency level gets ``groups`` fresh manuals (the shared prefixes), warms them, then
 ``groups * prompts-per-group`` questions (at least ``requests-per-client`` per client, spread
 over the manuals) are asked by that many concurrent clients, each asking its next question
-when its answer is complete (streamed ``/v1/ask``, greedy, ``ignore_eos`` so every answer has
-``output-tokens`` tokens). Clients start spread evenly over ``ramp-s`` seconds, as independent
-users arrive, instead of all in the same instant; ``auto`` is the mean duration of one request
-at the first level, and ``--ramp-s 0`` starts them together (a burst: every question of the
-first round arrives at once, and with equal answer lengths the rounds stay in lockstep).
-Reports request throughput, output tokens/s, TTFT and TPOT p50/p99 (client side) and the cache
-hit rate, as a table and as JSON under bench/results/. Without ``--url`` it starts its own
-server.
+when its answer is complete (streamed ``/v1/ask``, greedy, ``ignore_eos``). Each answer's
+length is drawn uniformly from ``output-tokens`` +- ``output-spread`` of it, as answers differ:
+with one fixed length, clients whose questions were admitted in the same step finish in the
+same step forever after, and their next questions arrive as one burst. Clients start spread
+evenly over ``ramp-s`` seconds, as independent users arrive; ``auto`` is the mean duration of
+one request at the first level, and ``--ramp-s 0`` starts them all at once. Reports request
+throughput, output tokens/s, TTFT and TPOT p50/p99 (client side) and the cache hit rate, as a
+table and as JSON under bench/results/. Without ``--url`` it starts its own server.
 """
 
 from __future__ import annotations
@@ -134,7 +134,10 @@ def run_level(url, headers, tok, args, concurrency: int, rng: random.Random, ram
         {
             "manual_id": manual_ids[i % len(manual_ids)],
             "question": question(rng, tok, args.question_tokens),
-            "max_tokens": args.output_tokens,
+            "max_tokens": rng.randint(
+                max(2, round(args.output_tokens * (1 - args.output_spread))),
+                round(args.output_tokens * (1 + args.output_spread)),
+            ),
             "ignore_eos": True,
             "stream": True,
         }
@@ -198,6 +201,12 @@ def main() -> int:
     ap.add_argument("--manual-tokens", type=int, default=1000)
     ap.add_argument("--question-tokens", type=int, default=32)
     ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument(
+        "--output-spread",
+        type=float,
+        default=0.5,
+        help="answer lengths are uniform in output-tokens * (1 +- spread); 0: all equal",
+    )
     ap.add_argument("--requests-per-client", type=int, default=4)
     ap.add_argument(
         "--ramp-s",
@@ -247,7 +256,8 @@ def main() -> int:
     print(
         f"\nworkload: {args.groups} manuals x {args.prompts_per_group} questions, manual "
         f"~{args.manual_tokens} tokens, question ~{args.question_tokens}, output "
-        f"{args.output_tokens} (greedy, ignore_eos), manuals warmed first; clients start over "
+        f"{args.output_tokens} +- {args.output_spread:.0%} (greedy, ignore_eos), manuals warmed "
+        "first; clients start over "
         f"{levels[-1]['ramp_s']:.2f} s\n"
     )
     print(
