@@ -66,8 +66,10 @@ def cpu_bf16_matmul_is_faster() -> bool:
     """Whether bf16 matrix products beat float32 ones on this CPU, measured once per process
     (a few tens of ms): native bf16 support alone does not decide it. Measured: a Zen 5 core
     runs bf16 products about 4x faster than float32; an AVX512-BF16 Xeon without AMX about
-    1.8x slower; a CPU that emulates bf16 about 3x slower. Not close anywhere, so the choice
-    is stable from run to run."""
+    1.8x slower; a CPU that emulates bf16 about 3x slower. The products run on one thread and
+    are timed in that thread's CPU time, so other processes busy on the machine (replicas
+    starting together) cannot change the answer: every process on one machine picks the same
+    dtype, and with it the same prefix-cache fingerprint."""
     if not cpu_has_native_bf16():
         return False
     gen = torch.Generator().manual_seed(0)
@@ -77,14 +79,19 @@ def cpu_bf16_matmul_is_faster() -> bool:
     def best(x, y) -> float:
         times = []
         for _ in range(5):
-            t = time.perf_counter()
+            t = time.thread_time()
             torch.mm(x, y)
-            times.append(time.perf_counter() - t)
+            times.append(time.thread_time() - t)
         return min(times[1:])
 
-    with torch.inference_mode():
-        t32 = best(a, b)
-        t16 = best(a.bfloat16(), b.bfloat16())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            t32 = best(a, b)
+            t16 = best(a.bfloat16(), b.bfloat16())
+    finally:
+        torch.set_num_threads(threads)
     return t16 < t32
 
 
