@@ -44,6 +44,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from svc_helpers import stop_process  # noqa: E402
 
 from bench.load import pct  # noqa: E402
 
@@ -168,13 +171,7 @@ class System:
     ready_path = "/health"
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
     def cached(self, final: dict) -> int:
         usage = final.get("usage") or {}
@@ -247,9 +244,10 @@ def best_cpu_dtype() -> str:
     """The dtype docqa's ``auto`` picks here, so that transformers runs in the same one."""
     import torch
 
+    from inference.config import dtype_name
     from inference.engine import resolve_dtype
 
-    return "bfloat16" if resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16 else "float32"
+    return dtype_name(resolve_dtype("auto", torch.device("cpu")))
 
 
 SYSTEMS = {s.name: s for s in (Docqa, DocqaNoCache, LlamaServer, Transformers)}

@@ -137,6 +137,8 @@ class _TilePlan:
     # gathered item by item
     shared: list[tuple[torch.Tensor, int, int]]  # (tile's block ids, first item, end item)
     rest: torch.Tensor | None  # [items] not in ``shared``; None when every item is
+    rest_blocks: torch.Tensor | None  # block ids of the ``rest`` items' tiles
+    rest_bias: torch.Tensor | None  # ``bias`` of the ``rest`` items
     merge_by_tile: bool  # prompt tokens merge tile by tile, decode tokens all tiles at once
 
 
@@ -231,12 +233,14 @@ def _tile_plan(
             for ids, lo, hi in shared_tiles
         ],
         merge_by_tile=not decode,
-        rest=(
-            None
-            if len(rest) == len(q_index)
-            else torch.tensor(rest, dtype=torch.int64, device=device)
-        ),
+        rest=None,
+        rest_blocks=None,
+        rest_bias=None,
     )
+    if len(rest) < len(q_index):  # the per-layer indexing of the rest, done once per step
+        plan.rest = torch.tensor(rest, dtype=torch.int64, device=device)
+        plan.rest_blocks = plan.blocks.view(len(q_index), per_tile)[plan.rest].reshape(-1)
+        plan.rest_bias = plan.bias[plan.rest]
     meta.scratch[key] = plan
     return plan
 
@@ -291,6 +295,8 @@ def _tile_attention(
     fused = _FLASH_CPU is not None and q.device.type == "cpu"
     if fused and plan.bias.dtype != q.dtype:  # once per step: every layer shares the plan
         plan.bias = plan.bias.to(q.dtype)
+        if plan.rest_bias is not None:
+            plan.rest_bias = plan.rest_bias.to(q.dtype)
     if not plan.shared:
         o_t, m_t = _attend_items(
             qg, tiles(k_flat, plan.blocks), tiles(v_flat, plan.blocks), plan.bias, scale, fused
@@ -306,13 +312,11 @@ def _tile_attention(
                 qg[lo:hi], keys, values, plan.bias[lo:hi], scale, fused
             )
         if plan.rest is not None and plan.rest.numel():
-            per_tile = plan.blocks.numel() // G
-            ids = plan.blocks.view(G, per_tile)[plan.rest].reshape(-1)
             o, m = _attend_items(
                 qg[plan.rest],
-                tiles(k_flat, ids),
-                tiles(v_flat, ids),
-                plan.bias[plan.rest],
+                tiles(k_flat, plan.rest_blocks),
+                tiles(v_flat, plan.rest_blocks),
+                plan.rest_bias,
                 scale,
                 fused,
             )

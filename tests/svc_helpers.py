@@ -55,6 +55,17 @@ def drop_pg_database(url: str) -> None:
     asyncio.run(_pg_exec(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
+def stop_process(proc: subprocess.Popen | None, grace_s: float = 20) -> None:
+    """Terminate a child process, killing it when it outlives ``grace_s``."""
+    if proc and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class Server:
     """``docqa serve`` in a subprocess on a free port."""
 
@@ -107,13 +118,7 @@ class Server:
         raise RuntimeError(f"docqa serve not ready after {timeout:.0f} s:\n{self.log_tail()}")
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
     def log_tail(self, n: int = 4000) -> str:
         try:
