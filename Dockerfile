@@ -12,6 +12,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     DOCQA_HOME=/data
 
 WORKDIR /app
+# gcc builds the CPU decode attention kernel (inference/csrc) on first use, for the CPU the
+# container runs on; without it the engine takes its torch path
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 COPY pyproject.toml README.md ./
 COPY app ./app

@@ -371,19 +371,32 @@ def paged_attention_reference(
 
 
 # -- backends ------------------------------------------------------------------------------------
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 def resolve_backend(name: str | None, device: torch.device) -> str:
-    """``auto``: Triton kernels on CUDA, the torch reference on CPU. ``triton`` on a CPU needs
-    ``TRITON_INTERPRET=1`` (tests); ``DOCQA_ATTENTION_BACKEND`` sets the default."""
+    """``auto``: Triton kernels on CUDA; on a CPU the compiled decode kernel (``cpu``) where it
+    builds, else the torch reference. ``triton`` on a CPU needs ``TRITON_INTERPRET=1`` (tests);
+    ``DOCQA_ATTENTION_BACKEND`` sets the default."""
     import os
+
+    from inference import cpu_kernels
 
     name = (name or os.environ.get("DOCQA_ATTENTION_BACKEND") or "auto").lower()
     if name not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            return "triton"
+        return "cpu" if cpu_kernels.kernels_available() else "torch"
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError("the cpu attention backend runs on the CPU")
+        if not cpu_kernels.kernels_available():
+            raise ValueError(
+                "the cpu attention backend needs its kernel built with a C compiler "
+                "(set CC or install gcc), or DOCQA_CPU_KERNELS=0 was set"
+            )
     if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("the triton backend needs a CUDA device (or TRITON_INTERPRET=1)")
     return name
@@ -397,6 +410,60 @@ class TorchBackend:
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         return paged_attention_reference(q, k_cache, v_cache, meta, scale)
+
+
+class CPUBackend(TorchBackend):
+    """Prompt tokens through the torch reference's tiles; decode tokens through the compiled
+    kernel (``inference/csrc/decode_attention.c``), which reads each token's context in place
+    from the pool, block by block in order, one (token, KV head) per work unit. Shapes or dtypes
+    outside the kernel's limits take the torch path for decode tokens too."""
+
+    name = "cpu"
+
+    def __init__(self):
+        from inference import cpu_kernels
+
+        self.k = cpu_kernels
+
+    def _decode_plan(self, meta: AttentionMetadata, device):
+        plan = meta.scratch.get("cpu-decode", False)
+        if plan is not False:
+            return plan
+        rows, seqs = [], []
+        start = 0
+        for i, (ql, dec) in enumerate(zip(meta.query_lens_list, meta.is_decode_list, strict=True)):
+            if dec:
+                rows.append(start)
+                seqs.append(i)
+            start += ql
+        plan = None
+        if rows:
+            idx = torch.tensor(seqs, dtype=torch.int64, device=device)
+            plan = (
+                torch.tensor(rows, dtype=torch.int64, device=device),
+                meta.block_tables.index_select(0, idx).contiguous(),
+                meta.seq_lens.index_select(0, idx).contiguous(),
+            )
+        meta.scratch["cpu-decode"] = plan
+        return plan
+
+    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        num_heads, d = q.shape[1], q.shape[2]
+        nb, bs, kvh, _ = k_cache.shape
+        if not self.k.decode_kernel_supports(q.dtype, k_cache.dtype, num_heads, kvh, d, bs):
+            return paged_attention_reference(q, k_cache, v_cache, meta, scale)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        plan = _tile_plan(meta, bs, num_heads // kvh, q.device, decode=False)
+        if plan is not None:
+            o = _tile_attention(q, k_cache, v_cache, plan, scale)
+            out.index_copy_(0, plan.rows, o.to(out.dtype))
+        dec = self._decode_plan(meta, q.device)
+        if dec is not None:
+            rows, tables, lens = dec
+            o = self.k.decode_attention(q, rows, k_cache, v_cache, tables, lens, scale)
+            out.index_copy_(0, rows, o.to(out.dtype))
+        return out
 
 
 class TritonBackend:
@@ -476,5 +543,7 @@ class TritonBackend:
         return out
 
 
-def make_backend(name: str) -> TorchBackend | TritonBackend:
-    return TritonBackend() if name == "triton" else TorchBackend()
+def make_backend(name: str) -> TorchBackend | CPUBackend | TritonBackend:
+    if name == "triton":
+        return TritonBackend()
+    return CPUBackend() if name == "cpu" else TorchBackend()

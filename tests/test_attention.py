@@ -1,4 +1,6 @@
-"""The torch paged-attention backend against dense float64 attention, and its invariances.
+"""The CPU paged-attention backends against dense float64 attention, and their invariances:
+``torch`` (the reference: fixed-shape tiles through torch's fused attention) and ``cpu`` (the
+same for prompt tokens, the compiled kernel of inference/csrc for decode tokens).
 
 Random caches with shuffled block tables, several sequences in one step (prompt chunks and
 decode tokens together, some sharing cached blocks as questions about one manual do), lengths
@@ -13,9 +15,18 @@ import pytest
 import torch
 
 import inference.attention as att
-from inference.attention import AttentionMetadata, paged_attention_reference
+from inference import cpu_kernels
+from inference.attention import AttentionMetadata, CPUBackend, paged_attention_reference
 
 SEED = int(os.environ.get("DOCQA_TEST_SEED", random.randrange(2**31)))
+BACKENDS = ["torch", "cpu"]
+
+
+def _attention(backend: str, q, k_cache, v_cache, meta, scale):
+    if backend == "torch":
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale)
+    assert cpu_kernels.kernels_available(), "the decode kernel did not build (is gcc installed?)"
+    return CPUBackend().attention(q, k_cache, v_cache, meta, scale)
 
 
 def _step(rng: random.Random, bs: int, kvh: int, d: int, dtype, specs):
@@ -78,45 +89,88 @@ SPECS = [
 
 @pytest.mark.parametrize("bs", [8, 16, 32])
 @pytest.mark.parametrize("heads,kvh", [(4, 4), (9, 3)])
-@pytest.mark.parametrize("fused", [True, False])
-def test_matches_dense_float64(bs, heads, kvh, fused, monkeypatch):
-    if not fused:
+@pytest.mark.parametrize("path", ["fused", "unfused", "cpu"])
+@pytest.mark.parametrize("d", [32, 64])
+def test_matches_dense_float64(bs, heads, kvh, path, d, monkeypatch):
+    if path == "unfused":
         monkeypatch.setattr(att, "_FLASH_CPU", None)
-    rng = random.Random(SEED + bs + heads)
-    d = 32
+    rng = random.Random(SEED + bs + heads + d)
     k_cache, v_cache, tables, meta = _step(rng, bs, kvh, d, torch.float32, SPECS)
     n = sum(s[1] for s in SPECS)
     q = torch.randn(n, heads, d, generator=torch.Generator().manual_seed(SEED))
-    out = torch.full_like(q, float("nan"))
-    paged_attention_reference(q, k_cache, v_cache, meta, d**-0.5, out=out)
+    out = _attention("cpu" if path == "cpu" else "torch", q, k_cache, v_cache, meta, d**-0.5)
     ref = _dense(q, k_cache, v_cache, tables, SPECS, d**-0.5)
     err = (out.double() - ref).abs().max().item()
     assert err < 2e-5, f"max error {err} (seed {SEED})"
 
 
-def _run(q, k_cache, v_cache, tables, specs, bs, rows):
+@pytest.mark.parametrize("d", [64, 128])
+def test_decode_kernel_in_bf16_is_as_close_as_the_reference(d):
+    """bf16 inputs, float32 arithmetic: the kernel's decode rows are no further from dense
+    float64 attention than the torch reference's (both round the result to bf16)."""
+    rng = random.Random(SEED + d)
+    specs = [(1090, 1, True, False), (1101, 1, True, True), (37, 1, True, False)]
+    k_cache, v_cache, tables, meta = _step(rng, 16, 3, d, torch.bfloat16, specs)
+    q = torch.randn(3, 9, d, generator=torch.Generator().manual_seed(SEED)).bfloat16()
+    ref = _dense(q, k_cache, v_cache, tables, specs, d**-0.5)
+    errs = {
+        b: (_attention(b, q, k_cache, v_cache, meta, d**-0.5).double() - ref).abs().max().item()
+        for b in BACKENDS
+    }
+    assert errs["cpu"] <= 1.5 * errs["torch"] + 1e-6, f"{errs} (seed {SEED})"
+
+
+def _run(q, k_cache, v_cache, tables, specs, bs, rows, backend="torch"):
     meta = AttentionMetadata.build(
         tables, [s[0] for s in specs], [s[1] for s in specs], bs, "cpu", [s[2] for s in specs]
     )
-    out = paged_attention_reference(q[rows], k_cache, v_cache, meta, 0.125)
-    return out
+    return _attention(backend, q[rows], k_cache, v_cache, meta, 0.125)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_each_sequence_alone_equals_in_the_batch(dtype):
+def test_each_sequence_alone_equals_in_the_batch(dtype, backend):
     """Bitwise: a sequence's outputs do not depend on which other sequences share the step."""
     rng = random.Random(SEED)
     bs, kvh, heads, d = 16, 3, 9, 64
     k_cache, v_cache, tables, meta = _step(rng, bs, kvh, d, dtype, SPECS)
     n = sum(s[1] for s in SPECS)
     q = torch.randn(n, heads, d, generator=torch.Generator().manual_seed(SEED)).to(dtype)
-    batch = paged_attention_reference(q, k_cache, v_cache, meta, 0.125)
+    batch = _attention(backend, q, k_cache, v_cache, meta, 0.125)
     start = 0
     for i, spec in enumerate(SPECS):
         rows = list(range(start, start + spec[1]))
-        alone = _run(q, k_cache, v_cache, [tables[i]], [spec], bs, rows)
+        alone = _run(q, k_cache, v_cache, [tables[i]], [spec], bs, rows, backend)
         assert torch.equal(alone, batch[rows]), f"sequence {i} (seed {SEED})"
         start += spec[1]
+
+
+def test_decode_kernel_does_not_depend_on_the_thread_count():
+    """Bitwise: work units are whole (token, KV head) pairs, so threads only decide where a
+    unit runs, never how its sums are ordered."""
+    rng = random.Random(SEED)
+    specs = [(1090, 1, True, False), (1101, 1, True, True), (700, 1, True, True)] * 3
+    k_cache, v_cache, _, meta = _step(rng, 16, 3, 64, torch.bfloat16, specs)
+    q = torch.randn(9, 9, 64, generator=torch.Generator().manual_seed(SEED)).bfloat16()
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(_attention("cpu", q, k_cache, v_cache, meta, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:]), f"seed {SEED}"
+
+
+def test_cpu_backend_takes_the_reference_path_outside_the_kernel_limits():
+    """float16 (not a kernel dtype): the cpu backend gives the reference's bits."""
+    rng = random.Random(SEED)
+    k_cache, v_cache, _, meta = _step(rng, 16, 3, 64, torch.float16, SPECS)
+    n = sum(s[1] for s in SPECS)
+    q = torch.randn(n, 9, 64, generator=torch.Generator().manual_seed(SEED)).half()
+    ref = paged_attention_reference(q, k_cache, v_cache, meta, 0.125)
+    assert torch.equal(_attention("cpu", q, k_cache, v_cache, meta, 0.125), ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

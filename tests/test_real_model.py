@@ -89,6 +89,29 @@ def test_bf16_cold_and_warm_are_bitwise_equal(bf16_llm):
     bf16_llm.engine.kv_manager.check_integrity()
 
 
+def test_bf16_decode_logits_equal_alone_and_in_a_batch(bf16_llm):
+    """Decode tokens through the compiled CPU kernel: each question's logits at every decode
+    step are the same bits alone and with the other questions about the same manual (which
+    share its cached blocks) in the step."""
+    eng = bf16_llm.engine
+    assert eng.attention_backend == "cpu"  # gcc is on every machine the tests run on
+    builder = PromptBuilder(bf16_llm.tokenizer)
+    prompts = [builder.build(MANUAL, q).token_ids for q in QUESTIONS]
+    _first(bf16_llm, prompts[0], use_cache=True)  # the manual cached
+    alone = [_first(bf16_llm, ids, use_cache=True, max_tokens=8) for ids in prompts]
+    params = SamplingParams(max_tokens=8)
+    reqs = [eng.add_request(ids, params, use_cache=True, keep_logits=True) for ids in prompts]
+    while any(not r.finished for r in reqs):
+        eng.step()
+    for a, b, q in zip(alone, reqs, QUESTIONS, strict=True):
+        assert a.output_token_ids == b.output_token_ids, q
+        assert len(a.logits) == len(b.logits) > 1
+        for la, lb in zip(a.logits, b.logits, strict=True):
+            assert torch.equal(la, lb), q
+        eng.release(b)
+    eng.kv_manager.check_integrity()
+
+
 def test_fp32_greedy_tokens_agree_cold_and_warm(default_model_dir):
     llm = LLM(default_model_dir, dtype="float32", kv_cache_gib=0.25)
     builder = PromptBuilder(llm.tokenizer)

@@ -94,6 +94,7 @@ async def engine_info(state: State) -> EngineInfo:
         dtype=dtype_name(e.dtype),
         kv_dtype=dtype_name(e.kv_dtype),
         device=str(e.device),
+        attention_backend=e.attention_backend,
         block_size=spec.block_size,
         max_model_len=e.max_model_len,
         kv_bytes_per_token=spec.bytes_per_token,

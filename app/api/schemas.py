@@ -130,6 +130,9 @@ class EngineInfo(Struct):
     dtype: str
     kv_dtype: str
     device: str
+    attention_backend: Annotated[
+        str, Meta(description="torch, cpu (compiled decode kernel) or triton")
+    ]
     block_size: int
     max_model_len: int
     kv_bytes_per_token: int

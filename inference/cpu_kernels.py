@@ -1,0 +1,168 @@
+"""CPU kernels compiled from ``inference/csrc`` on first use.
+
+The C sources are built with the machine's C compiler (``$CC``, else ``cc``/``gcc``) for the
+CPU they run on (``-march=native``) and kept under ``$DOCQA_HOME/kernels``, keyed by the source,
+the flags and the CPU, so a change of any of them builds anew and replicas that start together
+share one build (written to a temporary name, then renamed). Without a compiler the engine
+runs its torch paths instead (``kernels_available`` says which).
+
+OpenMP: the library links ``libgomp.so.1``, the runtime torch's CPU build already loaded, so
+its threads are torch's threads (``torch.set_num_threads`` applies to both).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from inference.model_import import docqa_home
+
+log = logging.getLogger("docqa.engine")
+
+SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# the kernel's limits (decode_attention.c): head_dim a multiple of 32 up to 256, at most 16
+# query heads per KV head, blocks of at most 64 tokens
+MAX_DIM, MAX_GROUP, MAX_BLOCK = 256, 16, 64
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc) or cc
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the CPU's model name and flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def _build(src: Path) -> Path:
+    cc = _compiler()
+    if cc is None:
+        raise KernelBuildError("no C compiler (set CC, or install gcc)")
+    h = hashlib.sha256()
+    for part in (src.read_bytes(), " ".join(CFLAGS).encode(), _cpu_id().encode(), cc.encode()):
+        h.update(part)
+    out_dir = docqa_home() / "kernels"
+    out = out_dir / f"{src.stem}-{h.hexdigest()[:16]}.so"
+    if out.is_file():
+        return out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{src.stem}-", suffix=".so")
+    os.close(fd)
+    try:
+        proc = subprocess.run(
+            [cc, *CFLAGS, "-o", tmp, str(src)], capture_output=True, text=True, timeout=120
+        )
+        if proc.returncode != 0:
+            raise KernelBuildError(f"{cc} failed on {src.name}: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built %s", out)
+    return out
+
+
+@functools.cache
+def decode_attention_library() -> ctypes.CDLL:
+    """The compiled decode attention kernel (built on first use); raises KernelBuildError."""
+    lib = ctypes.CDLL(str(_build(SOURCE)))
+    fn = lib.docqa_decode_attention
+    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    fn.argtypes = [p, i, p, i, p, p, i, p, i64, p, i, i, i, i, ctypes.c_float, p]
+    fn.restype = i
+    return lib
+
+
+def kernels_available() -> bool:
+    """Whether the CPU kernels build and load here (the first call builds them)."""
+    if os.environ.get("DOCQA_CPU_KERNELS", "1") == "0":
+        return False
+    try:
+        decode_attention_library()
+    except (KernelBuildError, OSError, subprocess.SubprocessError) as e:
+        log.warning("CPU kernels unavailable, using the torch paths: %s", e)
+        return False
+    return True
+
+
+def decode_kernel_supports(
+    q_dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    dim: int,
+    block_size: int,
+) -> bool:
+    return (
+        q_dtype in DTYPES
+        and kv_dtype in DTYPES
+        and dim % 32 == 0
+        and dim <= MAX_DIM
+        and block_size <= MAX_BLOCK
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= MAX_GROUP
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,  # [num_rows, num_heads, dim], contiguous
+    q_rows: torch.Tensor,  # [T] int64: the decode tokens' rows of q
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, dim], contiguous
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [T, max_blocks] int32, contiguous
+    ctx_lens: torch.Tensor,  # [T] int32
+    scale: float,
+) -> torch.Tensor:  # [T, num_heads, dim] float32
+    """Each decode token's attention over its context, read in place from the pool."""
+    assert q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert block_tables.dtype == torch.int32 and block_tables.is_contiguous()
+    assert ctx_lens.dtype == torch.int32 and q_rows.dtype == torch.int64
+    _, num_heads, dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    t = q_rows.shape[0]
+    out = torch.empty((t, num_heads, dim), dtype=torch.float32)
+    rc = decode_attention_library().docqa_decode_attention(
+        q.data_ptr(),
+        DTYPES[q.dtype],
+        q_rows.data_ptr(),
+        t,
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        DTYPES[k_cache.dtype],
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        ctx_lens.data_ptr(),
+        num_heads,
+        num_kv_heads,
+        dim,
+        block_size,
+        scale,
+        out.data_ptr(),
+    )
+    if rc != 0:
+        raise ValueError("decode attention kernel: shape outside its limits")
+    return out
