@@ -16,6 +16,7 @@
 #define MAX_DIM 256
 #define MAX_GROUP 16
 #define LANES 16
+#define ROUND 64 /* keys per online-softmax round, from key 0 */
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
@@ -150,7 +151,7 @@ static inline __attribute__((always_inline)) void attend_unit(
     vf part[MAX_GROUP][LANES];
     vf kv[MAX_DIM / LANES];
     float m[MAX_GROUP], l[MAX_GROUP];
-    vf p[MAX_GROUP];
+    vf p[MAX_GROUP][ROUND / LANES];
     const vf zero = {0};
     const vf neg_inf = zero - INFINITY;
     const vi lane_ids = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -171,43 +172,59 @@ static inline __attribute__((always_inline)) void attend_unit(
         l[g] = 0.0f;
     }
     const int64_t key_stride = (int64_t)num_kv_heads * dim;
-    const int num_blocks = (ctx + block_size - 1) / block_size;
-    for (int b = 0; b < num_blocks; b++) {
-        const int in_block = ctx - b * block_size < block_size ? ctx - b * block_size : block_size;
-        const int64_t base = (int64_t)table[b] * block_size * key_stride + (int64_t)kv_head * dim;
-        for (int j0 = 0; j0 < in_block; j0 += LANES) {
-            const int n = in_block - j0 < LANES ? in_block - j0 : LANES;
-            /* scores of the group's rows against keys j0 .. j0 + n (lanes past n: zero) */
-            for (int j = 0; j < n; j++) {
-                const int64_t key = base + (j0 + j) * key_stride;
-                load_row(k_cache, key, kv_dtype, chunks, kv);
+    int64_t row_at[ROUND];       /* element offset of each key of the round */
+    int blk = 0, in_blk = 0;     /* where the next key lies */
+    for (int r0 = 0; r0 < ctx; r0 += ROUND) {
+        const int n = ctx - r0 < ROUND ? ctx - r0 : ROUND;
+        const int groups = (n + LANES - 1) / LANES;
+        for (int j = 0; j < n; j++) {
+            row_at[j] = ((int64_t)table[blk] * block_size + in_blk) * key_stride +
+                        (int64_t)kv_head * dim;
+            if (++in_blk == block_size) {
+                in_blk = 0;
+                blk++;
+            }
+        }
+        /* scores of the group's rows against the round's keys, 16 keys per vector */
+        vf s[MAX_GROUP][ROUND / LANES];
+        for (int q16 = 0; q16 < groups; q16++) {
+            const int j0 = q16 * LANES;
+            const int nj = n - j0 < LANES ? n - j0 : LANES;
+            for (int j = 0; j < nj; j++) {
+                load_row(k_cache, row_at[j0 + j], kv_dtype, chunks, kv);
                 for (int g = 0; g < group; g++) {
-                    vf s = qv[g][0] * kv[0];
-                    for (int c = 1; c < chunks; c++) s += qv[g][c] * kv[c];
-                    part[g][j] = s;
+                    vf d = qv[g][0] * kv[0];
+                    for (int c = 1; c < chunks; c++) d += qv[g][c] * kv[c];
+                    part[g][j] = d;
                 }
             }
-            for (int j = n; j < LANES; j++)
+            for (int j = nj; j < LANES; j++)
                 for (int g = 0; g < group; g++) part[g][j] = zero;
-            const vi valid = lane_ids < n;
-            for (int g = 0; g < group; g++) {
-                const vf s = vselect(valid, reduce16(part[g]), neg_inf);
-                const float bm = hmax(s);
-                const float mn = m[g] > bm ? m[g] : bm;
-                const vf e = (vf)((vi)exp_nonpositive(s - mn) & valid);
-                const float alpha = exp_nonpositive(zero + (m[g] - mn))[0];
-                l[g] = l[g] * alpha + hsum(e);
-                m[g] = mn;
-                p[g] = e;
-                for (int c = 0; c < chunks; c++) acc[g][c] *= alpha;
+            const vi valid = lane_ids < nj;
+            for (int g = 0; g < group; g++) s[g][q16] = vselect(valid, reduce16(part[g]), neg_inf);
+        }
+        /* online softmax, once per round: the round's maximum, its weights, the rescale */
+        for (int g = 0; g < group; g++) {
+            vf mx = s[g][0];
+            for (int q16 = 1; q16 < groups; q16++) mx = vselect(s[g][q16] > mx, s[g][q16], mx);
+            const float bm = hmax(mx);
+            const float mn = m[g] > bm ? m[g] : bm;
+            vf sum = zero;
+            for (int q16 = 0; q16 < groups; q16++) {
+                const vi valid = lane_ids < n - q16 * LANES;
+                p[g][q16] = (vf)((vi)exp_nonpositive(s[g][q16] - mn) & valid);
+                sum += p[g][q16];
             }
-            for (int j = 0; j < n; j++) {
-                const int64_t key = base + (j0 + j) * key_stride;
-                load_row(v_cache, key, kv_dtype, chunks, kv);
-                for (int g = 0; g < group; g++) {
-                    const float pj = p[g][j];
-                    for (int c = 0; c < chunks; c++) acc[g][c] += pj * kv[c];
-                }
+            const float alpha = exp_nonpositive(zero + (m[g] - mn))[0];
+            l[g] = l[g] * alpha + hsum(sum);
+            m[g] = mn;
+            for (int c = 0; c < chunks; c++) acc[g][c] *= alpha;
+        }
+        for (int j = 0; j < n; j++) {
+            load_row(v_cache, row_at[j], kv_dtype, chunks, kv);
+            for (int g = 0; g < group; g++) {
+                const float pj = p[g][j / LANES][j % LANES];
+                for (int c = 0; c < chunks; c++) acc[g][c] += pj * kv[c];
             }
         }
     }
