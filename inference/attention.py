@@ -406,7 +406,17 @@ class TorchBackend:
     name = "torch"
 
     def store_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
-        store_kv_reference(key, value, k_cache, v_cache, meta.slot_mapping)
+        rows = meta.scratch.get("store-rows", False)  # once per step: the tokens to store
+        if rows is False:
+            keep = meta.slot_mapping >= 0
+            rows = None if bool(keep.all()) else keep.nonzero().flatten()
+            meta.scratch["store-rows"] = rows
+        slots = meta.slot_mapping
+        if rows is not None:
+            key, value, slots = key[rows], value[rows], slots[rows]
+        nb, bs, kvh, d = k_cache.shape
+        k_cache.view(nb * bs, kvh, d).index_copy_(0, slots, key.to(k_cache.dtype))
+        v_cache.view(nb * bs, kvh, d).index_copy_(0, slots, value.to(v_cache.dtype))
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         return paged_attention_reference(q, k_cache, v_cache, meta, scale)
@@ -425,7 +435,7 @@ class CPUBackend(TorchBackend):
 
         self.k = cpu_kernels
 
-    def _decode_plan(self, meta: AttentionMetadata, device):
+    def _decode_plan(self, meta: AttentionMetadata, device, bs: int, group: int):
         plan = meta.scratch.get("cpu-decode", False)
         if plan is not False:
             return plan
@@ -438,11 +448,16 @@ class CPUBackend(TorchBackend):
             start += ql
         plan = None
         if rows:
-            idx = torch.tensor(seqs, dtype=torch.int64, device=device)
+            ctx = [meta.seq_lens_list[i] for i in seqs]
+            tables = [meta.block_tables[i, : meta.num_blocks_list[i]].tolist() for i in seqs]
+            order, starts, shared = self.k.decode_groups(tables, ctx, bs, group)
+            idx = torch.tensor([seqs[o] for o in order], dtype=torch.int64, device=device)
             plan = (
-                torch.tensor(rows, dtype=torch.int64, device=device),
+                torch.tensor([rows[o] for o in order], dtype=torch.int64, device=device),
                 meta.block_tables.index_select(0, idx).contiguous(),
                 meta.seq_lens.index_select(0, idx).contiguous(),
+                torch.tensor(starts, dtype=torch.int32),
+                torch.tensor(shared, dtype=torch.int32),
             )
         meta.scratch["cpu-decode"] = plan
         return plan
@@ -458,10 +473,12 @@ class CPUBackend(TorchBackend):
         if plan is not None:
             o = _tile_attention(q, k_cache, v_cache, plan, scale)
             out.index_copy_(0, plan.rows, o.to(out.dtype))
-        dec = self._decode_plan(meta, q.device)
+        dec = self._decode_plan(meta, q.device, bs, num_heads // kvh)
         if dec is not None:
-            rows, tables, lens = dec
-            o = self.k.decode_attention(q, rows, k_cache, v_cache, tables, lens, scale)
+            rows, tables, lens, starts, shared = dec
+            o = self.k.decode_attention(
+                q, rows, k_cache, v_cache, tables, lens, scale, starts, shared
+            )
             out.index_copy_(0, rows, o.to(out.dtype))
         return out
 

@@ -92,7 +92,7 @@ def decode_attention_library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(_build(SOURCE)))
     fn = lib.docqa_decode_attention
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    fn.argtypes = [p, i, p, i, p, p, i, p, i64, p, i, i, i, i, ctypes.c_float, p]
+    fn.argtypes = [p, i, p, i, p, p, i, p, p, i, p, i64, p, i, i, i, i, ctypes.c_float, p]
     fn.restype = i
     return lib
 
@@ -128,15 +128,61 @@ def decode_kernel_supports(
     )
 
 
+ROUND = 64  # keys per online-softmax round (decode_attention.c); shared parts end on one
+MAX_ROWS = 16  # query rows per work unit
+
+
+def decode_groups(
+    tables: list[list[int]], ctx_lens: list[int], block_size: int, group: int
+) -> tuple[list[int], list[int], list[int]]:
+    """Tokens whose contexts start with the same blocks, as the kernel's work groups.
+
+    Returns (order, group_start, group_shared): the tokens in group order, each group's first
+    position in ``order`` (plus the end), and the keys each group's tokens share (a multiple
+    of ``ROUND``). A group holds at most ``MAX_ROWS // group`` tokens. How tokens are grouped
+    only decides which K/V rows are read once for several tokens, never a token's result.
+    """
+    per_group = max(1, MAX_ROWS // group)
+    by_first: dict[int, list[int]] = {}
+    for t, table in enumerate(tables):
+        key = table[0] if ctx_lens[t] > ROUND and table else -1 - t
+        by_first.setdefault(key, []).append(t)
+    order: list[int] = []
+    starts: list[int] = [0]
+    shared: list[int] = []
+    for members in by_first.values():
+        for c in range(0, len(members), per_group):
+            chunk = members[c : c + per_group]
+            keys = 0
+            if len(chunk) > 1:
+                first = tables[chunk[0]]
+                common = len(first)
+                for t in chunk[1:]:
+                    other = tables[t]
+                    n = 0
+                    while n < common and n < len(other) and other[n] == first[n]:
+                        n += 1
+                    common = n
+                # whole blocks of the common prefix that lie before every token's last key
+                keys = min(common * block_size, min(ctx_lens[t] for t in chunk) - 1)
+                keys = max(0, keys // ROUND * ROUND)
+            order.extend(chunk)
+            starts.append(len(order))
+            shared.append(keys)
+    return order, starts, shared
+
+
 def decode_attention(
     q: torch.Tensor,  # [num_rows, num_heads, dim], contiguous
-    q_rows: torch.Tensor,  # [T] int64: the decode tokens' rows of q
+    q_rows: torch.Tensor,  # [T] int64: the decode tokens' rows of q, in group order
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, dim], contiguous
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [T, max_blocks] int32, contiguous
-    ctx_lens: torch.Tensor,  # [T] int32
+    block_tables: torch.Tensor,  # [T, max_blocks] int32, contiguous, in group order
+    ctx_lens: torch.Tensor,  # [T] int32, in group order
     scale: float,
-) -> torch.Tensor:  # [T, num_heads, dim] float32
+    group_start: torch.Tensor | None = None,  # [G + 1] int32 (decode_groups); None: one each
+    group_shared: torch.Tensor | None = None,  # [G] int32
+) -> torch.Tensor:  # [T, num_heads, dim] float32, in group order
     """Each decode token's attention over its context, read in place from the pool."""
     assert q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert block_tables.dtype == torch.int32 and block_tables.is_contiguous()
@@ -144,12 +190,19 @@ def decode_attention(
     _, num_heads, dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     t = q_rows.shape[0]
+    if group_start is None:
+        group_start = torch.arange(t + 1, dtype=torch.int32)
+        group_shared = torch.zeros(t, dtype=torch.int32)
+    assert group_start.dtype == torch.int32 and group_shared.dtype == torch.int32
     out = torch.empty((t, num_heads, dim), dtype=torch.float32)
     rc = decode_attention_library().docqa_decode_attention(
         q.data_ptr(),
         DTYPES[q.dtype],
         q_rows.data_ptr(),
         t,
+        group_start.data_ptr(),
+        group_shared.data_ptr(),
+        group_shared.shape[0],
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         DTYPES[k_cache.dtype],
@@ -164,5 +217,5 @@ def decode_attention(
         out.data_ptr(),
     )
     if rc != 0:
-        raise ValueError("decode attention kernel: shape outside its limits")
+        raise ValueError("decode attention kernel: shape or groups outside its limits")
     return out

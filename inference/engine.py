@@ -544,10 +544,16 @@ class LLMEngine:
             self.cost_model.observe(prefill_chunks, dt)
         finished = []
         now = time.perf_counter()
+        greedy = None  # every greedy row's token in one argmax
+        if any(req.params.greedy for req in sampling):
+            greedy = torch.argmax(logits, dim=-1).tolist()
         for row, req in enumerate(sampling):
             if req.keep_logits:
                 req.logits.append(logits[row].clone())
-            tok = sample(logits[row], req.params, req.generator)
+            if req.params.greedy:
+                tok = greedy[row]
+            else:
+                tok = sample(logits[row], req.params, req.generator)
             req.output_token_ids.append(tok)
             self.generation_tokens += 1
             if req.times.first_token is None:

@@ -249,14 +249,15 @@ class LlamaModel:
         qd = cfg.num_heads * cfg.head_dim
         kd = cfg.num_kv_heads * cfg.head_dim
         n = h.shape[0]
+        cos_sin = self.rotary.gather(positions)  # once per step, shared by every layer
         for lw, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
             qkv = lw.qkv(x)  # [N, qd + 2 kd]
-            q = qkv[:, :qd].view(n, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, qd : qd + kd].view(n, cfg.num_kv_heads, cfg.head_dim)
+            # rotary on q and k at once (one [N, heads + kv heads, d] view of qkv)
+            qk = qkv[:, : qd + kd].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+            qk = self.rotary.apply(qk, positions, cos_sin)
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = qkv[:, qd + kd :].view(n, cfg.num_kv_heads, cfg.head_dim)
-            q = self.rotary.apply(q, positions)
-            k = self.rotary.apply(k, positions)
             self.attn_backend.store_kv(k, v, k_cache, v_cache, meta)
             attn = self.attn_backend.attention(q, k_cache, v_cache, meta, self.scale)
             h = h + lw.o_proj(attn.reshape(n, qd))

@@ -208,3 +208,31 @@ def test_how_items_are_grouped_into_calls_does_not_change_outputs(monkeypatch):
         monkeypatch.setattr(att, "SHARED_TILE_ITEMS", threshold)
         outs.append(_run(q, k_cache, v_cache, tables, specs, bs, rows))
     assert torch.equal(outs[0], outs[1]), f"seed {SEED}"
+
+
+def test_decode_kernel_groups_share_reads_without_changing_outputs():
+    """Tokens about one manual go through the kernel as groups whose shared keys are read once
+    for all of them (at most 16 query rows per group, the shared part a multiple of 64 keys);
+    the outputs are the same bits as with every token in a group of its own."""
+    rng = random.Random(SEED)
+    bs, d = 16, 64
+    specs = [(1090, 1, True, False)] + [(1000 + 13 * i, 1, True, True) for i in range(7)]
+    specs += [(40, 1, True, False)]
+    k_cache, v_cache, tables, meta = _step(rng, bs, 3, d, torch.bfloat16, specs)
+    ctx = [s[0] for s in specs]
+    order, starts, shared = cpu_kernels.decode_groups(tables, ctx, bs, 3)
+    assert sorted(order) == list(range(len(specs)))
+    sizes = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert max(sizes) == 5 and sum(sizes) == len(specs)  # 16 rows // 3 rows per token
+    assert all(k % cpu_kernels.ROUND == 0 for k in shared) and max(shared) >= 960
+    q = torch.randn(len(specs), 9, d, generator=torch.Generator().manual_seed(SEED)).bfloat16()
+    rows = torch.tensor(order)
+    bt = torch.stack([meta.block_tables[o] for o in order]).contiguous()
+    lens = torch.tensor([ctx[o] for o in order], dtype=torch.int32)
+    args = (q, rows, k_cache, v_cache, bt, lens, 0.125)
+    grouped = cpu_kernels.decode_attention(
+        *args, torch.tensor(starts, dtype=torch.int32), torch.tensor(shared, dtype=torch.int32)
+    )
+    assert torch.equal(grouped, cpu_kernels.decode_attention(*args)), f"seed {SEED}"
+    ref = _dense(q, k_cache, v_cache, tables, specs, 0.125)[order]
+    assert (grouped.double() - ref).abs().max().item() < 1e-4

@@ -4,10 +4,15 @@
  * Layout (CONTRACTS.md, "Paged KV layout and kernels"): k_cache/v_cache are
  * [num_blocks, block_size, num_kv_heads, head_dim]; a token's block table row lists its blocks.
  *
- * Batch invariance: a work unit is one (token, KV head); it walks the token's context block by
- * block, in order, with an online softmax, and nothing it computes depends on the other units
- * (threads only decide which unit runs where). A row's result therefore depends only on its
- * query, its context and the block size, never on how many tokens share the call.
+ * Each query row (one query head of one token) walks its context from key 0 in rounds of ROUND
+ * keys: its scores against the round's keys, one online-softmax rescale, then the weighted
+ * values key by key. A work unit is one KV head of a group of tokens whose contexts start with
+ * the same blocks (answers about one manual): the rounds of that shared part run once for all
+ * the group's rows, each K/V row read once for all of them; then each token's own rounds run
+ * for its rows alone. Every row does the same operations in the same order whichever rows
+ * share its unit, and units are independent (threads only decide where a unit runs), so a
+ * row's result depends only on its query, its context and the block size: never on how many
+ * tokens share the call or a unit.
  */
 #include <math.h>
 #include <stdint.h>
@@ -15,6 +20,7 @@
 
 #define MAX_DIM 256
 #define MAX_GROUP 16
+#define MAX_ROWS 16 /* query rows in one unit */
 #define LANES 16
 #define ROUND 64 /* keys per online-softmax round, from key 0 */
 
@@ -141,41 +147,30 @@ static inline float hmax(vf v) {
     return v[0];
 }
 
-static inline __attribute__((always_inline)) void attend_unit(
-    const void *q, int q_dtype, int64_t q_row, const void *k_cache, const void *v_cache,
-    int kv_dtype, const int32_t *table, int ctx, int kv_head, int group, int num_kv_heads,
-    int chunks, int block_size, float scale, float *out_row) {
+/* A unit's query rows and their running softmax state. */
+typedef struct {
+    vf q[MAX_ROWS][MAX_DIM / LANES];
+    vf acc[MAX_ROWS][MAX_DIM / LANES];
+    float m[MAX_ROWS], l[MAX_ROWS];
+} Rows;
+
+/* Keys [from, to) of one context (from a multiple of ROUND) for rows [lo, hi). */
+static inline __attribute__((always_inline)) void run_keys(
+    Rows *st, int lo, int hi, const void *k_cache, const void *v_cache, int kv_dtype,
+    const int32_t *table, int from, int to, int kv_head, int num_kv_heads, int chunks,
+    int block_size) {
     const int dim = chunks * LANES;
-    vf qv[MAX_GROUP][MAX_DIM / LANES];
-    vf acc[MAX_GROUP][MAX_DIM / LANES];
-    vf part[MAX_GROUP][LANES];
-    vf kv[MAX_DIM / LANES];
-    float m[MAX_GROUP], l[MAX_GROUP];
-    vf p[MAX_GROUP][ROUND / LANES];
+    const int64_t key_stride = (int64_t)num_kv_heads * dim;
     const vf zero = {0};
     const vf neg_inf = zero - INFINITY;
     const vi lane_ids = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    for (int g = 0; g < group; g++) {
-        const int64_t head = q_row + (int64_t)(kv_head * group + g) * dim;
-        float qf[MAX_DIM], ql[MAX_DIM];
-        for (int c = 0; c < chunks; c++) {
-            vf x = load16(q, head + c * LANES, q_dtype);
-            memcpy(&qf[c * LANES], &x, sizeof x);
-        }
-        for (int i = 0; i < dim; i++) ql[layout_pos(i, kv_dtype)] = qf[i];
-        for (int c = 0; c < chunks; c++) {
-            memcpy(&qv[g][c], &ql[c * LANES], sizeof(vf));
-            qv[g][c] *= scale;
-            acc[g][c] = zero;
-        }
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
-    }
-    const int64_t key_stride = (int64_t)num_kv_heads * dim;
-    int64_t row_at[ROUND];       /* element offset of each key of the round */
-    int blk = 0, in_blk = 0;     /* where the next key lies */
-    for (int r0 = 0; r0 < ctx; r0 += ROUND) {
-        const int n = ctx - r0 < ROUND ? ctx - r0 : ROUND;
+    vf part[MAX_ROWS][LANES];
+    vf kv[MAX_DIM / LANES];
+    vf s[MAX_ROWS][ROUND / LANES];
+    int64_t row_at[ROUND]; /* element offset of each key of the round */
+    int blk = from / block_size, in_blk = from % block_size;
+    for (int r0 = from; r0 < to; r0 += ROUND) {
+        const int n = to - r0 < ROUND ? to - r0 : ROUND;
         const int groups = (n + LANES - 1) / LANES;
         for (int j = 0; j < n; j++) {
             row_at[j] = ((int64_t)table[blk] * block_size + in_blk) * key_stride +
@@ -185,81 +180,126 @@ static inline __attribute__((always_inline)) void attend_unit(
                 blk++;
             }
         }
-        /* scores of the group's rows against the round's keys, 16 keys per vector */
-        vf s[MAX_GROUP][ROUND / LANES];
+        /* scores of the rows against the round's keys, 16 keys per vector */
         for (int q16 = 0; q16 < groups; q16++) {
             const int j0 = q16 * LANES;
             const int nj = n - j0 < LANES ? n - j0 : LANES;
             for (int j = 0; j < nj; j++) {
                 load_row(k_cache, row_at[j0 + j], kv_dtype, chunks, kv);
-                for (int g = 0; g < group; g++) {
-                    vf d = qv[g][0] * kv[0];
-                    for (int c = 1; c < chunks; c++) d += qv[g][c] * kv[c];
+                for (int g = lo; g < hi; g++) {
+                    vf d = st->q[g][0] * kv[0];
+                    for (int c = 1; c < chunks; c++) d += st->q[g][c] * kv[c];
                     part[g][j] = d;
                 }
             }
             for (int j = nj; j < LANES; j++)
-                for (int g = 0; g < group; g++) part[g][j] = zero;
+                for (int g = lo; g < hi; g++) part[g][j] = zero;
             const vi valid = lane_ids < nj;
-            for (int g = 0; g < group; g++) s[g][q16] = vselect(valid, reduce16(part[g]), neg_inf);
+            for (int g = lo; g < hi; g++) s[g][q16] = vselect(valid, reduce16(part[g]), neg_inf);
         }
         /* online softmax, once per round: the round's maximum, its weights, the rescale */
-        for (int g = 0; g < group; g++) {
+        for (int g = lo; g < hi; g++) {
             vf mx = s[g][0];
             for (int q16 = 1; q16 < groups; q16++) mx = vselect(s[g][q16] > mx, s[g][q16], mx);
             const float bm = hmax(mx);
-            const float mn = m[g] > bm ? m[g] : bm;
+            const float mn = st->m[g] > bm ? st->m[g] : bm;
             vf sum = zero;
             for (int q16 = 0; q16 < groups; q16++) {
                 const vi valid = lane_ids < n - q16 * LANES;
-                p[g][q16] = (vf)((vi)exp_nonpositive(s[g][q16] - mn) & valid);
-                sum += p[g][q16];
+                s[g][q16] = (vf)((vi)exp_nonpositive(s[g][q16] - mn) & valid);
+                sum += s[g][q16];
             }
-            const float alpha = exp_nonpositive(zero + (m[g] - mn))[0];
-            l[g] = l[g] * alpha + hsum(sum);
-            m[g] = mn;
-            for (int c = 0; c < chunks; c++) acc[g][c] *= alpha;
+            const float alpha = exp_nonpositive(zero + (st->m[g] - mn))[0];
+            st->l[g] = st->l[g] * alpha + hsum(sum);
+            st->m[g] = mn;
+            for (int c = 0; c < chunks; c++) st->acc[g][c] *= alpha;
         }
         for (int j = 0; j < n; j++) {
             load_row(v_cache, row_at[j], kv_dtype, chunks, kv);
-            for (int g = 0; g < group; g++) {
-                const float pj = p[g][j / LANES][j % LANES];
-                for (int c = 0; c < chunks; c++) acc[g][c] += pj * kv[c];
+            for (int g = lo; g < hi; g++) {
+                const float pj = s[g][j / LANES][j % LANES];
+                for (int c = 0; c < chunks; c++) st->acc[g][c] += pj * kv[c];
             }
         }
     }
-    for (int g = 0; g < group; g++) {
-        float *o = out_row + (int64_t)(kv_head * group + g) * dim;
-        const float inv = 1.0f / l[g];
-        float r[MAX_DIM];
-        for (int c = 0; c < chunks; c++) {
-            vf x = acc[g][c] * inv;
-            memcpy(&r[c * LANES], &x, sizeof x);
+}
+
+/* One KV head of a group of tokens: token i's query heads are rows i * group .. + group. */
+static inline __attribute__((always_inline)) void attend_unit(
+    const void *q, int q_dtype, const int64_t *q_rows, int members, const int32_t *tables,
+    int64_t table_stride, const int32_t *ctx, int shared, int kv_head, int group,
+    int num_kv_heads, int chunks, const void *k_cache, const void *v_cache, int kv_dtype,
+    int block_size, float scale, float *out) {
+    const int dim = chunks * LANES;
+    const int num_heads = group * num_kv_heads;
+    const vf zero = {0};
+    Rows st;
+    for (int i = 0; i < members; i++)
+        for (int g = 0; g < group; g++) {
+            const int r = i * group + g;
+            const int64_t head = (q_rows[i] * num_heads + kv_head * group + g) * dim;
+            float qf[MAX_DIM], ql[MAX_DIM];
+            for (int c = 0; c < chunks; c++) {
+                vf x = load16(q, head + c * LANES, q_dtype);
+                memcpy(&qf[c * LANES], &x, sizeof x);
+            }
+            for (int d = 0; d < dim; d++) ql[layout_pos(d, kv_dtype)] = qf[d];
+            for (int c = 0; c < chunks; c++) {
+                memcpy(&st.q[r][c], &ql[c * LANES], sizeof(vf));
+                st.q[r][c] *= scale;
+                st.acc[r][c] = zero;
+            }
+            st.m[r] = -INFINITY;
+            st.l[r] = 0.0f;
         }
-        for (int i = 0; i < dim; i++) o[i] = r[layout_pos(i, kv_dtype)];
-    }
+    if (shared > 0)
+        run_keys(&st, 0, members * group, k_cache, v_cache, kv_dtype, tables, 0, shared,
+                 kv_head, num_kv_heads, chunks, block_size);
+    for (int i = 0; i < members; i++)
+        run_keys(&st, i * group, (i + 1) * group, k_cache, v_cache, kv_dtype,
+                 tables + i * table_stride, shared, ctx[i], kv_head, num_kv_heads, chunks,
+                 block_size);
+    for (int i = 0; i < members; i++)
+        for (int g = 0; g < group; g++) {
+            const int r = i * group + g;
+            float *o = out + ((int64_t)i * num_heads + kv_head * group + g) * dim;
+            const float inv = 1.0f / st.l[r];
+            float res[MAX_DIM];
+            for (int c = 0; c < chunks; c++) {
+                vf x = st.acc[r][c] * inv;
+                memcpy(&res[c * LANES], &x, sizeof x);
+            }
+            for (int d = 0; d < dim; d++) o[d] = res[layout_pos(d, kv_dtype)];
+        }
 }
 
 /* The unit for the common shapes, with the head size and dtype known to the compiler. */
-#define SPECIALIZED(name, CHUNKS, GROUP, DTYPE)                                                 \
-    static void name(const void *q, int64_t q_row, const void *k_cache, const void *v_cache,     \
-                     const int32_t *table, int ctx, int kv_head, int num_kv_heads,                \
-                     int block_size, float scale, float *out_row) {                                \
-        attend_unit(q, DTYPE, q_row, k_cache, v_cache, DTYPE, table, ctx, kv_head, GROUP,         \
-                    num_kv_heads, CHUNKS, block_size, scale, out_row);                             \
+#define SPECIALIZED(name, CHUNKS, DTYPE)                                                         \
+    static void name(const void *q, const int64_t *q_rows, int members, const int32_t *tables,  \
+                     int64_t table_stride, const int32_t *ctx, int shared, int kv_head,          \
+                     int group, int num_kv_heads, const void *k_cache, const void *v_cache,      \
+                     int block_size, float scale, float *out) {                                  \
+        attend_unit(q, DTYPE, q_rows, members, tables, table_stride, ctx, shared, kv_head,      \
+                    group, num_kv_heads, CHUNKS, k_cache, v_cache, DTYPE, block_size, scale,     \
+                    out);                                                                        \
     }
-SPECIALIZED(unit_d64_g3_bf16, 4, 3, DT_BF16)
-SPECIALIZED(unit_d64_g3_f32, 4, 3, DT_F32)
+SPECIALIZED(unit_d64_bf16, 4, DT_BF16)
+SPECIALIZED(unit_d64_f32, 4, DT_F32)
+SPECIALIZED(unit_d128_bf16, 8, DT_BF16)
 
-static void unit_any(const void *q, int q_dtype, int64_t q_row, const void *k_cache,
-                     const void *v_cache, int kv_dtype, const int32_t *table, int ctx,
-                     int kv_head, int group, int num_kv_heads, int chunks, int block_size,
-                     float scale, float *out_row) {
-    attend_unit(q, q_dtype, q_row, k_cache, v_cache, kv_dtype, table, ctx, kv_head, group,
-                num_kv_heads, chunks, block_size, scale, out_row);
+static void unit_any(const void *q, int q_dtype, const int64_t *q_rows, int members,
+                     const int32_t *tables, int64_t table_stride, const int32_t *ctx, int shared,
+                     int kv_head, int group, int num_kv_heads, int chunks, const void *k_cache,
+                     const void *v_cache, int kv_dtype, int block_size, float scale, float *out) {
+    attend_unit(q, q_dtype, q_rows, members, tables, table_stride, ctx, shared, kv_head, group,
+                num_kv_heads, chunks, k_cache, v_cache, kv_dtype, block_size, scale, out);
 }
 
 /* Returns 0, or -1 when a shape is outside the kernel's limits (the caller checks them first).
+ *
+ * Tokens come in groups: group u holds tokens group_start[u] .. group_start[u + 1] - 1, whose
+ * contexts share their first group_shared[u] keys (a multiple of 64, 0 for none; the first
+ * token's table is read for them), at most MAX_ROWS / (num_heads / num_kv_heads) tokens.
  *
  * q:            [*, num_heads, dim] rows; token t's heads start at element q_rows[t] * num_heads * dim
  * block_tables: int32 [num_tokens, table_stride], token t's blocks
@@ -267,30 +307,42 @@ static void unit_any(const void *q, int q_dtype, int64_t q_row, const void *k_ca
  * out:          float32 [num_tokens, num_heads, dim]
  */
 int docqa_decode_attention(const void *q, int q_dtype, const int64_t *q_rows, int num_tokens,
-                           const void *k_cache, const void *v_cache, int kv_dtype,
-                           const int32_t *block_tables, int64_t table_stride,
+                           const int32_t *group_start, const int32_t *group_shared,
+                           int num_groups, const void *k_cache, const void *v_cache,
+                           int kv_dtype, const int32_t *block_tables, int64_t table_stride,
                            const int32_t *ctx_lens, int num_heads, int num_kv_heads, int dim,
                            int block_size, float scale, float *out) {
     if (dim % (2 * LANES) || dim > MAX_DIM || block_size <= 0 || num_kv_heads <= 0 ||
         num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_GROUP)
         return -1;
-    const int units = num_tokens * num_kv_heads;
+    const int group = num_heads / num_kv_heads;
+    for (int u = 0; u < num_groups; u++) {
+        const int members = group_start[u + 1] - group_start[u];
+        if (members < 1 || members * group > MAX_ROWS || group_shared[u] % ROUND ||
+            group_start[u + 1] > num_tokens)
+            return -1;
+    }
+    const int units = num_groups * num_kv_heads;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int u = 0; u < units; u++) {
-        const int t = u / num_kv_heads, h = u % num_kv_heads;
-        const int64_t q_row = q_rows[t] * num_heads * dim;
-        const int32_t *table = block_tables + (int64_t)t * table_stride;
+        const int grp = u / num_kv_heads, h = u % num_kv_heads;
+        const int t = group_start[grp], members = group_start[grp + 1] - t;
+        const int32_t *tables = block_tables + (int64_t)t * table_stride;
         float *o = out + (int64_t)t * num_heads * dim;
-        const int group = num_heads / num_kv_heads;
-        if (dim == 64 && group == 3 && q_dtype == kv_dtype && q_dtype == DT_BF16)
-            unit_d64_g3_bf16(q, q_row, k_cache, v_cache, table, ctx_lens[t], h, num_kv_heads,
-                             block_size, scale, o);
-        else if (dim == 64 && group == 3 && q_dtype == kv_dtype && q_dtype == DT_F32)
-            unit_d64_g3_f32(q, q_row, k_cache, v_cache, table, ctx_lens[t], h, num_kv_heads,
-                            block_size, scale, o);
+        const int shared = group_shared[grp];
+        if (dim == 64 && q_dtype == kv_dtype && q_dtype == DT_BF16)
+            unit_d64_bf16(q, q_rows + t, members, tables, table_stride, ctx_lens + t, shared, h,
+                          group, num_kv_heads, k_cache, v_cache, block_size, scale, o);
+        else if (dim == 64 && q_dtype == kv_dtype && q_dtype == DT_F32)
+            unit_d64_f32(q, q_rows + t, members, tables, table_stride, ctx_lens + t, shared, h,
+                         group, num_kv_heads, k_cache, v_cache, block_size, scale, o);
+        else if (dim == 128 && q_dtype == kv_dtype && q_dtype == DT_BF16)
+            unit_d128_bf16(q, q_rows + t, members, tables, table_stride, ctx_lens + t, shared,
+                           h, group, num_kv_heads, k_cache, v_cache, block_size, scale, o);
         else
-            unit_any(q, q_dtype, q_row, k_cache, v_cache, kv_dtype, table, ctx_lens[t], h, group,
-                     num_kv_heads, dim / LANES, block_size, scale, o);
+            unit_any(q, q_dtype, q_rows + t, members, tables, table_stride, ctx_lens + t, shared,
+                     h, group, num_kv_heads, dim / LANES, k_cache, v_cache, kv_dtype, block_size,
+                     scale, o);
     }
     return 0;
 }
