@@ -173,22 +173,24 @@ def test_cpu_backend_takes_the_reference_path_outside_the_kernel_limits():
     assert torch.equal(_attention("cpu", q, k_cache, v_cache, meta, 0.125), ref)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_prompt_chunking_does_not_change_outputs(dtype):
+def test_prompt_chunking_does_not_change_outputs(dtype, backend):
     """Bitwise: a prompt's tokens give the same outputs computed in one chunk or in several
-    (each chunk over the context the earlier ones left)."""
+    (each chunk over the context the earlier ones left), cuts at and around tile ends too."""
     rng = random.Random(SEED)
     bs, kvh, heads, d = 16, 3, 9, 64
     sl = 1200
     k_cache, v_cache, tables, _ = _step(rng, bs, kvh, d, dtype, [(sl, sl, False, False)])
     q = torch.randn(sl, heads, d, generator=torch.Generator().manual_seed(SEED)).to(dtype)
-    whole = _run(q, k_cache, v_cache, tables, [(sl, sl, False, False)], bs, list(range(sl)))
-    cuts = sorted(rng.sample(range(1, sl), 5)) + [sl]
+    whole = _run(
+        q, k_cache, v_cache, tables, [(sl, sl, False, False)], bs, list(range(sl)), backend
+    )
+    cuts = sorted(set(rng.sample(range(1, sl), 5) + [511, 512, 513, sl]))
     lo = 0
     for hi in cuts:
-        part = _run(
-            q, k_cache, v_cache, tables, [(hi, hi - lo, False, False)], bs, list(range(lo, hi))
-        )
+        spec = [(hi, hi - lo, False, False)]
+        part = _run(q, k_cache, v_cache, tables, spec, bs, list(range(lo, hi)), backend)
         assert torch.equal(part, whole[lo:hi]), f"chunk {lo}:{hi} (seed {SEED})"
         lo = hi
 
