@@ -7,7 +7,7 @@ share one build (written to a temporary name, then renamed). Without a compiler 
 runs its torch paths instead (``kernels_available`` says which).
 
 OpenMP: the library links ``libgomp.so.1``, the runtime torch's CPU build already loaded, so
-its threads are torch's threads (``torch.set_num_threads`` applies to both).
+its threads are torch's threads; each call runs on ``torch.get_num_threads()`` of them.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def decode_attention_library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(_build(SOURCE)))
     fn = lib.docqa_decode_attention
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    fn.argtypes = [p, i, p, i, p, p, i, p, p, i, p, i64, p, i, i, i, i, ctypes.c_float, p]
+    fn.argtypes = [p, i, p, i, p, p, i, p, p, i, p, i64, p, i, i, i, i, ctypes.c_float, p, i]
     fn.restype = i
     return lib
 
@@ -215,6 +215,7 @@ def decode_attention(
         block_size,
         scale,
         out.data_ptr(),
+        torch.get_num_threads(),
     )
     if rc != 0:
         raise ValueError("decode attention kernel: shape or groups outside its limits")

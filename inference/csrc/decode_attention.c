@@ -305,13 +305,14 @@ static void unit_any(const void *q, int q_dtype, const int64_t *q_rows, int memb
  * block_tables: int32 [num_tokens, table_stride], token t's blocks
  * ctx_lens:     int32 [num_tokens], keys each token attends (its own key included, already stored)
  * out:          float32 [num_tokens, num_heads, dim]
+ * num_threads:  threads for the units (the caller's torch.get_num_threads())
  */
 int docqa_decode_attention(const void *q, int q_dtype, const int64_t *q_rows, int num_tokens,
                            const int32_t *group_start, const int32_t *group_shared,
                            int num_groups, const void *k_cache, const void *v_cache,
                            int kv_dtype, const int32_t *block_tables, int64_t table_stride,
                            const int32_t *ctx_lens, int num_heads, int num_kv_heads, int dim,
-                           int block_size, float scale, float *out) {
+                           int block_size, float scale, float *out, int num_threads) {
     if (dim % (2 * LANES) || dim > MAX_DIM || block_size <= 0 || num_kv_heads <= 0 ||
         num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_GROUP)
         return -1;
@@ -323,7 +324,7 @@ int docqa_decode_attention(const void *q, int q_dtype, const int64_t *q_rows, in
             return -1;
     }
     const int units = num_groups * num_kv_heads;
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads > 0 ? num_threads : 1)
     for (int u = 0; u < units; u++) {
         const int grp = u / num_kv_heads, h = u % num_kv_heads;
         const int t = group_start[grp], members = group_start[grp + 1] - t;
