@@ -221,12 +221,24 @@ def test_decode_kernel_groups_share_reads_without_changing_outputs():
     specs = [(1090, 1, True, False)] + [(1000 + 13 * i, 1, True, True) for i in range(7)]
     specs += [(40, 1, True, False)]
     k_cache, v_cache, tables, meta = _step(rng, bs, 3, d, torch.bfloat16, specs)
+    # two of the tokens share only the manual's first 20 blocks (another conversation's turns
+    # follow): their group must not read the first token's blocks past those
+    nb = k_cache.shape[0]
+    extra = torch.randn(140, bs, 3, d, generator=torch.Generator().manual_seed(SEED))
+    k_cache = torch.cat([k_cache, extra.bfloat16()])
+    v_cache = torch.cat([v_cache, extra.flip(0).bfloat16()])
+    for i, t in enumerate((6, 7)):
+        tables[t] = tables[t][:20] + list(range(nb + 70 * i, nb + 70 * i + len(tables[t]) - 20))
+    meta = AttentionMetadata.build(
+        tables, [s[0] for s in specs], [1] * len(specs), bs, "cpu", [True] * len(specs)
+    )
     ctx = [s[0] for s in specs]
     order, starts, shared = cpu_kernels.decode_groups(tables, ctx, bs, 3)
     assert sorted(order) == list(range(len(specs)))
     sizes = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     assert max(sizes) == 5 and sum(sizes) == len(specs)  # 16 rows // 3 rows per token
     assert all(k % cpu_kernels.ROUND == 0 for k in shared) and max(shared) >= 960
+    assert 256 <= min(k for k in shared if k) <= 320  # the group holding tokens 6 and 7
     q = torch.randn(len(specs), 9, d, generator=torch.Generator().manual_seed(SEED)).bfloat16()
     rows = torch.tensor(order)
     bt = torch.stack([meta.block_tables[o] for o in order]).contiguous()
