@@ -99,15 +99,21 @@ def store_kv_reference(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [num_tokens] int64
+    meta: AttentionMetadata,
 ) -> None:
-    """Scatter new K/V rows into the paged cache; slots of -1 are skipped."""
+    """Scatter new K/V rows into the paged cache; slots of -1 are skipped (which rows those
+    are is worked out once per step, for every layer)."""
+    rows = meta.scratch.get("store-rows", False)
+    if rows is False:
+        keep = meta.slot_mapping >= 0
+        rows = None if bool(keep.all()) else keep.nonzero().flatten()
+        meta.scratch["store-rows"] = rows
+    slots = meta.slot_mapping
+    if rows is not None:
+        key, value, slots = key[rows], value[rows], slots[rows]
     nb, bs, kvh, d = k_cache.shape
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    k_cache.view(nb * bs, kvh, d).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(nb * bs, kvh, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    k_cache.view(nb * bs, kvh, d).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(nb * bs, kvh, d).index_copy_(0, slots, value.to(v_cache.dtype))
 
 
 # Fused per-tile attention on CPU (blocked, vectorized; returns the tile's output and the
@@ -406,17 +412,7 @@ class TorchBackend:
     name = "torch"
 
     def store_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
-        rows = meta.scratch.get("store-rows", False)  # once per step: the tokens to store
-        if rows is False:
-            keep = meta.slot_mapping >= 0
-            rows = None if bool(keep.all()) else keep.nonzero().flatten()
-            meta.scratch["store-rows"] = rows
-        slots = meta.slot_mapping
-        if rows is not None:
-            key, value, slots = key[rows], value[rows], slots[rows]
-        nb, bs, kvh, d = k_cache.shape
-        k_cache.view(nb * bs, kvh, d).index_copy_(0, slots, key.to(k_cache.dtype))
-        v_cache.view(nb * bs, kvh, d).index_copy_(0, slots, value.to(v_cache.dtype))
+        store_kv_reference(key, value, k_cache, v_cache, meta)
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         return paged_attention_reference(q, k_cache, v_cache, meta, scale)
@@ -425,8 +421,9 @@ class TorchBackend:
 class CPUBackend(TorchBackend):
     """Prompt tokens through the torch reference's tiles; decode tokens through the compiled
     kernel (``inference/csrc/decode_attention.c``), which reads each token's context in place
-    from the pool, block by block in order, one (token, KV head) per work unit. Shapes or dtypes
-    outside the kernel's limits take the torch path for decode tokens too."""
+    from the pool, in rounds of 64 keys from key 0, one KV head of a group of tokens sharing a
+    manual's blocks per work unit (``cpu_kernels.decode_groups``). Shapes or dtypes outside the
+    kernel's limits take the torch path for decode tokens too."""
 
     name = "cpu"
 
