@@ -451,8 +451,8 @@ class CPUBackend(TorchBackend):
             idx = torch.tensor([seqs[o] for o in order], dtype=torch.int64, device=device)
             plan = (
                 torch.tensor([rows[o] for o in order], dtype=torch.int64, device=device),
-                meta.block_tables.index_select(0, idx).contiguous(),
-                meta.seq_lens.index_select(0, idx).contiguous(),
+                meta.block_tables.index_select(0, idx),
+                meta.seq_lens.index_select(0, idx),
                 torch.tensor(starts, dtype=torch.int32),
                 torch.tensor(shared, dtype=torch.int32),
             )
@@ -464,8 +464,7 @@ class CPUBackend(TorchBackend):
         nb, bs, kvh, _ = k_cache.shape
         if not self.k.decode_kernel_supports(q.dtype, k_cache.dtype, num_heads, kvh, d, bs):
             return paged_attention_reference(q, k_cache, v_cache, meta, scale)
-        q = q.contiguous()
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         plan = _tile_plan(meta, bs, num_heads // kvh, q.device, decode=False)
         if plan is not None:
             o = _tile_attention(q, k_cache, v_cache, plan, scale)

@@ -33,7 +33,8 @@ SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # the kernel's limits (decode_attention.c): head_dim a multiple of 32 up to 256, at most 16
-# query heads per KV head, blocks of at most 64 tokens
+# query heads per KV head; blocks of more than 64 tokens (128) are left to the torch path, the
+# kernel's tests covering 8 to 32
 MAX_DIM, MAX_GROUP, MAX_BLOCK = 256, 16, 64
 
 
@@ -173,7 +174,7 @@ def decode_groups(
 
 
 def decode_attention(
-    q: torch.Tensor,  # [num_rows, num_heads, dim], contiguous
+    q: torch.Tensor,  # [num_rows, num_heads, dim], heads and dims dense (rows may be strided)
     q_rows: torch.Tensor,  # [T] int64: the decode tokens' rows of q, in group order
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, dim], contiguous
     v_cache: torch.Tensor,
@@ -184,7 +185,8 @@ def decode_attention(
     group_shared: torch.Tensor | None = None,  # [G] int32
 ) -> torch.Tensor:  # [T, num_heads, dim] float32, in group order
     """Each decode token's attention over its context, read in place from the pool."""
-    assert q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert q.stride(2) == 1 and q.stride(1) == q.shape[2]
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert block_tables.dtype == torch.int32 and block_tables.is_contiguous()
     assert ctx_lens.dtype == torch.int32 and q_rows.dtype == torch.int64
     _, num_heads, dim = q.shape
@@ -195,10 +197,11 @@ def decode_attention(
         group_shared = torch.zeros(t, dtype=torch.int32)
     assert group_start.dtype == torch.int32 and group_shared.dtype == torch.int32
     out = torch.empty((t, num_heads, dim), dtype=torch.float32)
+    q_start = q_rows * q.stride(0)  # each token's first element (held until the call returns)
     rc = decode_attention_library().docqa_decode_attention(
         q.data_ptr(),
         DTYPES[q.dtype],
-        q_rows.data_ptr(),
+        q_start.data_ptr(),
         t,
         group_start.data_ptr(),
         group_shared.data_ptr(),

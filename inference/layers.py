@@ -139,14 +139,9 @@ class RotaryTable:
         """cos and sin rows of ``positions`` [N], shaped to broadcast over heads."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
-    def apply(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """x: [N, heads, d]; positions: [N] int64; ``cos_sin`` from ``gather(positions)``."""
-        cos, sin = cos_sin if cos_sin is not None else self.gather(positions)
+    def apply(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [N, heads, d]; ``cos_sin`` from ``gather(positions)`` of its N rows."""
+        cos, sin = cos_sin
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]
         out = torch.empty_like(x)

@@ -255,7 +255,7 @@ class LlamaModel:
             qkv = lw.qkv(x)  # [N, qd + 2 kd]
             # rotary on q and k at once (one [N, heads + kv heads, d] view of qkv)
             qk = qkv[:, : qd + kd].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-            qk = self.rotary.apply(qk, positions, cos_sin)
+            qk = self.rotary.apply(qk, cos_sin)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = qkv[:, qd + kd :].view(n, cfg.num_kv_heads, cfg.head_dim)
             self.attn_backend.store_kv(k, v, k_cache, v_cache, meta)

@@ -250,3 +250,18 @@ def test_decode_kernel_groups_share_reads_without_changing_outputs():
     assert torch.equal(grouped, cpu_kernels.decode_attention(*args)), f"seed {SEED}"
     ref = _dense(q, k_cache, v_cache, tables, specs, 0.125)[order]
     assert (grouped.double() - ref).abs().max().item() < 1e-4
+
+
+def test_cpu_backend_reads_strided_queries_in_place():
+    """The model hands attention q as a view of its fused q/k projection (rows strided by the
+    query and key heads together): the kernel reads it in place, with the bits of a dense q."""
+    rng = random.Random(SEED)
+    k_cache, v_cache, _, meta = _step(rng, 16, 3, 64, torch.bfloat16, SPECS)
+    n = sum(s[1] for s in SPECS)
+    qk = torch.randn(n, 12, 64, generator=torch.Generator().manual_seed(SEED)).bfloat16()
+    q = qk[:, :9]
+    assert not q.is_contiguous()
+    strided = _attention("cpu", q, k_cache, v_cache, meta, 0.125)
+    assert torch.equal(strided, _attention("cpu", q.contiguous(), k_cache, v_cache, meta, 0.125))
+    ref = paged_attention_reference(q.contiguous(), k_cache, v_cache, meta, 0.125)
+    assert (strided.float() - ref.float()).abs().max().item() < 2e-2  # both rounded to bf16

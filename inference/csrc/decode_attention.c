@@ -237,7 +237,7 @@ static inline __attribute__((always_inline)) void attend_unit(
     for (int i = 0; i < members; i++)
         for (int g = 0; g < group; g++) {
             const int r = i * group + g;
-            const int64_t head = (q_rows[i] * num_heads + kv_head * group + g) * dim;
+            const int64_t head = q_rows[i] + (int64_t)(kv_head * group + g) * dim;
             float qf[MAX_DIM], ql[MAX_DIM];
             for (int c = 0; c < chunks; c++) {
                 vf x = load16(q, head + c * LANES, q_dtype);
@@ -301,7 +301,7 @@ static void unit_any(const void *q, int q_dtype, const int64_t *q_rows, int memb
  * contexts share their first group_shared[u] keys (a multiple of 64, 0 for none; the first
  * token's table is read for them), at most MAX_ROWS / (num_heads / num_kv_heads) tokens.
  *
- * q:            [*, num_heads, dim] rows; token t's heads start at element q_rows[t] * num_heads * dim
+ * q:            query rows, head after head (dim elements each) from element q_rows[t] for token t
  * block_tables: int32 [num_tokens, table_stride], token t's blocks
  * ctx_lens:     int32 [num_tokens], keys each token attends (its own key included, already stored)
  * out:          float32 [num_tokens, num_heads, dim]
