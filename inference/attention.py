@@ -419,11 +419,18 @@ class TorchBackend:
 
 
 class CPUBackend(TorchBackend):
-    """Prompt tokens through the torch reference's tiles; decode tokens through the compiled
-    kernel (``inference/csrc/decode_attention.c``), which reads each token's context in place
-    from the pool, in rounds of 64 keys from key 0, one KV head of a group of tokens sharing a
-    manual's blocks per work unit (``cpu_kernels.decode_groups``). Shapes or dtypes outside the
-    kernel's limits take the torch path for decode tokens too."""
+    """Attention through the compiled CPU kernels (``inference/csrc/decode_attention.c``), which
+    read each token's context in place from the pool in rounds of 64 keys from key 0.
+
+    bf16 on AVX512-BF16 (the default on such CPUs): every token of the step, prompt and decode
+    alike, in one call per layer (``cpu_kernels.attention_bf16``), written in place into the
+    layer's output. A work unit is one KV head of a group of tokens: up to ``32 // group``
+    consecutive tokens of one prompt chunk, or decode tokens whose contexts start with the same
+    blocks (``cpu_kernels.decode_groups``). A token's result is the same bits as a prompt token
+    or a decode token, alone or in any batch.
+
+    Other dtypes and shapes: prompt tokens through the torch reference's tiles and decode tokens
+    through ``cpu_kernels.decode_attention`` where it takes the shape, else the torch path."""
 
     name = "cpu"
 
@@ -431,6 +438,60 @@ class CPUBackend(TorchBackend):
         from inference import cpu_kernels
 
         self.k = cpu_kernels
+
+    def _step_plan(self, meta: AttentionMetadata, device, bs: int, group: int):
+        """The bf16 kernel's tokens and groups for this step (built once, used by every
+        layer): prompt chunks first, cut into groups of consecutive tokens, then the decode
+        tokens grouped by shared leading blocks."""
+        plan = meta.scratch.get("cpu-bf16")
+        if plan is not None:
+            return plan
+        per = max(1, self.k.BF16_MAX_ROWS // group)
+        q_rows: list[int] = []
+        seq_of: list[int] = []
+        ctx: list[int] = []
+        starts, shared = [0], []
+        dec_rows, dec_seqs = [], []
+        start = 0
+        for i, (sl, ql, dec) in enumerate(
+            zip(meta.seq_lens_list, meta.query_lens_list, meta.is_decode_list, strict=True)
+        ):
+            if dec:
+                dec_rows.append(start)
+                dec_seqs.append(i)
+            else:
+                first = sl - ql  # position of the chunk's first token
+                for c in range(0, ql, per):
+                    n = min(per, ql - c)
+                    q_rows.extend(range(start + c, start + c + n))
+                    seq_of.extend([i] * n)
+                    ctx.extend(range(first + c + 1, first + c + n + 1))
+                    starts.append(len(q_rows))
+                    shared.append(first + c + n)  # every key of the group, one table
+            start += ql
+        if dec_rows:
+            dctx = [meta.seq_lens_list[i] for i in dec_seqs]
+            tables = [meta.block_tables[i, : meta.num_blocks_list[i]].tolist() for i in dec_seqs]
+            order, dstarts, dshared = self.k.decode_groups(
+                tables, dctx, bs, group, self.k.BF16_MAX_ROWS
+            )
+            base = len(q_rows)
+            for o in order:
+                q_rows.append(dec_rows[o])
+                seq_of.append(dec_seqs[o])
+                ctx.append(dctx[o])
+            starts.extend(base + x for x in dstarts[1:])
+            shared.extend(dshared)
+        seqs = torch.tensor(seq_of, dtype=torch.int64, device=device)
+        plan = (
+            torch.tensor(q_rows, dtype=torch.int64, device=device),
+            meta.block_tables.index_select(0, seqs),
+            torch.tensor(ctx, dtype=torch.int32, device=device),
+            torch.tensor(starts, dtype=torch.int32),
+            torch.tensor(shared, dtype=torch.int32),
+        )
+        meta.scratch["cpu-bf16"] = plan
+        return plan
 
     def _decode_plan(self, meta: AttentionMetadata, device, bs: int, group: int):
         plan = meta.scratch.get("cpu-decode", False)
@@ -462,14 +523,21 @@ class CPUBackend(TorchBackend):
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         num_heads, d = q.shape[1], q.shape[2]
         nb, bs, kvh, _ = k_cache.shape
+        group = num_heads // kvh
+        if self.k.bf16_kernel_supports(q.dtype, k_cache.dtype, num_heads, kvh, d):
+            rows, tables, ctx, starts, shared = self._step_plan(meta, q.device, bs, group)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            return self.k.attention_bf16(
+                q, rows, k_cache, v_cache, tables, ctx, scale, starts, shared, out
+            )
         if not self.k.decode_kernel_supports(q.dtype, k_cache.dtype, num_heads, kvh, d, bs):
             return paged_attention_reference(q, k_cache, v_cache, meta, scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        plan = _tile_plan(meta, bs, num_heads // kvh, q.device, decode=False)
+        plan = _tile_plan(meta, bs, group, q.device, decode=False)
         if plan is not None:
             o = _tile_attention(q, k_cache, v_cache, plan, scale)
             out.index_copy_(0, plan.rows, o.to(out.dtype))
-        dec = self._decode_plan(meta, q.device, bs, num_heads // kvh)
+        dec = self._decode_plan(meta, q.device, bs, group)
         if dec is not None:
             rows, tables, lens, starts, shared = dec
             o = self.k.decode_attention(

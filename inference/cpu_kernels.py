@@ -89,12 +89,17 @@ def _build(src: Path) -> Path:
 
 @functools.cache
 def decode_attention_library() -> ctypes.CDLL:
-    """The compiled decode attention kernel (built on first use); raises KernelBuildError."""
+    """The compiled attention kernels (built on first use); raises KernelBuildError."""
     lib = ctypes.CDLL(str(_build(SOURCE)))
+    p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     fn = lib.docqa_decode_attention
-    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    fn.argtypes = [p, i, p, i, p, p, i, p, p, i, p, i64, p, i, i, i, i, ctypes.c_float, p, i]
+    fn.argtypes = [p, i, p, i, p, p, i, p, p, i, p, i64, p, i, i, i, i, f, p, i]
     fn.restype = i
+    fn = lib.docqa_attention_bf16
+    fn.argtypes = [p, p, i, p, p, i, p, p, p, i64, p, i, i, i, i, f, p, p, i]
+    fn.restype = i
+    lib.docqa_attention_bf16_dims.argtypes = []
+    lib.docqa_attention_bf16_dims.restype = i
     return lib
 
 
@@ -130,20 +135,42 @@ def decode_kernel_supports(
 
 
 ROUND = 64  # keys per online-softmax round (decode_attention.c); shared parts end on one
-MAX_ROWS = 16  # query rows per work unit
+MAX_ROWS = 16  # query rows per work unit of docqa_decode_attention
+BF16_MAX_ROWS = 32  # query rows per work unit of docqa_attention_bf16
+
+
+def bf16_kernel_supports(
+    q_dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int, dim: int
+) -> bool:
+    """Whether ``attention_bf16`` takes these shapes on this CPU (AVX512-BF16, bf16 q and K/V,
+    head_dim 64 or 128, at most 32 query heads per KV head)."""
+    if q_dtype != torch.bfloat16 or kv_dtype != torch.bfloat16 or dim not in (64, 128):
+        return False
+    if num_heads % num_kv_heads or num_heads // num_kv_heads > BF16_MAX_ROWS:
+        return False
+    return bool(_bf16_dims() & dim)
+
+
+@functools.cache
+def _bf16_dims() -> int:
+    return decode_attention_library().docqa_attention_bf16_dims()
 
 
 def decode_groups(
-    tables: list[list[int]], ctx_lens: list[int], block_size: int, group: int
+    tables: list[list[int]],
+    ctx_lens: list[int],
+    block_size: int,
+    group: int,
+    max_rows: int = MAX_ROWS,
 ) -> tuple[list[int], list[int], list[int]]:
     """Tokens whose contexts start with the same blocks, as the kernel's work groups.
 
     Returns (order, group_start, group_shared): the tokens in group order, each group's first
     position in ``order`` (plus the end), and the keys each group's tokens share (a multiple
-    of ``ROUND``). A group holds at most ``MAX_ROWS // group`` tokens. How tokens are grouped
+    of ``ROUND``). A group holds at most ``max_rows // group`` tokens. How tokens are grouped
     only decides which K/V rows are read once for several tokens, never a token's result.
     """
-    per_group = max(1, MAX_ROWS // group)
+    per_group = max(1, max_rows // group)
     by_first: dict[int, list[int]] = {}
     for t, table in enumerate(tables):
         key = table[0] if ctx_lens[t] > ROUND and table else -1 - t
@@ -222,4 +249,54 @@ def decode_attention(
     )
     if rc != 0:
         raise ValueError("decode attention kernel: shape or groups outside its limits")
+    return out
+
+
+def attention_bf16(
+    q: torch.Tensor,  # [num_rows, num_heads, dim] bf16, heads and dims dense (rows may be strided)
+    q_rows: torch.Tensor,  # [T] int64: each token's row of q, in group order
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, dim] bf16, contiguous
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [T, max_blocks] int32, contiguous, in group order
+    ctx_lens: torch.Tensor,  # [T] int32, in group order
+    scale: float,
+    group_start: torch.Tensor,  # [G + 1] int32
+    group_shared: torch.Tensor,  # [G] int32: a multiple of ROUND, or >= every context of G
+    out: torch.Tensor,  # [num_rows, num_heads, dim] bf16, contiguous: token t's row q_rows[t]
+) -> torch.Tensor:
+    """Attention of prompt and decode tokens alike, read in place from the pool and written in
+    place into ``out`` (``docqa_attention_bf16``)."""
+    assert q.dtype == torch.bfloat16 and q.stride(2) == 1 and q.stride(1) == q.shape[2]
+    assert out.dtype == torch.bfloat16 and out.is_contiguous() and out.shape[1:] == q.shape[1:]
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert block_tables.dtype == torch.int32 and block_tables.is_contiguous()
+    assert ctx_lens.dtype == torch.int32 and q_rows.dtype == torch.int64
+    assert group_start.dtype == torch.int32 and group_shared.dtype == torch.int32
+    _, num_heads, dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    q_start = q_rows * q.stride(0)  # held until the call returns
+    out_start = q_rows * out.stride(0)
+    rc = decode_attention_library().docqa_attention_bf16(
+        q.data_ptr(),
+        q_start.data_ptr(),
+        q_rows.shape[0],
+        group_start.data_ptr(),
+        group_shared.data_ptr(),
+        group_shared.shape[0],
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        ctx_lens.data_ptr(),
+        num_heads,
+        num_kv_heads,
+        dim,
+        block_size,
+        scale,
+        out.data_ptr(),
+        out_start.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError("bf16 attention kernel: shape or groups outside its limits")
     return out

@@ -1,6 +1,8 @@
 """The CPU paged-attention backends against dense float64 attention, and their invariances:
 ``torch`` (the reference: fixed-shape tiles through torch's fused attention) and ``cpu`` (the
-same for prompt tokens, the compiled kernel of inference/csrc for decode tokens).
+compiled kernels of inference/csrc: in bf16 on AVX512-BF16 every token through
+``attention_bf16``; otherwise prompt tokens through the reference's tiles and decode tokens
+through ``decode_attention``).
 
 Random caches with shuffled block tables, several sequences in one step (prompt chunks and
 decode tokens together, some sharing cached blocks as questions about one manual do), lengths
@@ -102,6 +104,105 @@ def test_matches_dense_float64(bs, heads, kvh, path, d, monkeypatch):
     ref = _dense(q, k_cache, v_cache, tables, SPECS, d**-0.5)
     err = (out.double() - ref).abs().max().item()
     assert err < 2e-5, f"max error {err} (seed {SEED})"
+
+
+def _bf16_kernel():
+    if not cpu_kernels.bf16_kernel_supports(torch.bfloat16, torch.bfloat16, 9, 3, 64):
+        pytest.skip("this CPU has no AVX512-BF16 (the bf16 kernel is not built for it)")
+
+
+@pytest.mark.parametrize("bs", [8, 16, 64, 128])
+@pytest.mark.parametrize("heads,kvh", [(4, 4), (9, 3), (32, 1)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_bf16_kernel_is_about_as_close_as_the_reference(bs, heads, kvh, d):
+    """Prompt and decode tokens through ``attention_bf16`` (bf16 products, float32 sums, the
+    softmax weights rounded to bf16 as the reference's bf16 product does): within 1.5x the
+    torch reference's distance from dense float64 attention, both rounding their result to
+    bf16."""
+    _bf16_kernel()
+    rng = random.Random(SEED + bs + heads + d)
+    k_cache, v_cache, tables, meta = _step(rng, bs, kvh, d, torch.bfloat16, SPECS)
+    n = sum(s[1] for s in SPECS)
+    q = torch.randn(n, heads, d, generator=torch.Generator().manual_seed(SEED)).bfloat16()
+    ref = _dense(q, k_cache, v_cache, tables, SPECS, d**-0.5)
+    errs = {
+        b: (_attention(b, q, k_cache, v_cache, meta, d**-0.5).double() - ref).abs().max().item()
+        for b in BACKENDS
+    }
+    assert errs["cpu"] <= 1.5 * errs["torch"] + 1e-6, f"{errs} (seed {SEED})"
+
+
+def test_bf16_kernel_gives_a_prompt_token_the_bits_of_a_decode_token():
+    """One path for every token: each token of a prompt chunk has the same bits as the same
+    query at the same position computed as a decode token, alone."""
+    _bf16_kernel()
+    rng = random.Random(SEED)
+    bs, heads, d = 16, 9, 64
+    sl, ql = 1100, 70
+    k_cache, v_cache, tables, meta = _step(rng, bs, 3, d, torch.bfloat16, [(sl, ql, False, False)])
+    q = torch.randn(ql, heads, d, generator=torch.Generator().manual_seed(SEED)).bfloat16()
+    chunk = _attention("cpu", q, k_cache, v_cache, meta, 0.125)
+    for j in range(ql):
+        spec = [(sl - ql + j + 1, 1, True, False)]
+        one = _run(q, k_cache, v_cache, tables, spec, bs, [j], "cpu")
+        assert torch.equal(one[0], chunk[j]), f"token {j} (seed {SEED})"
+
+
+def test_bf16_kernel_groups_do_not_change_outputs():
+    """Decode tokens about one manual in groups of up to 32 query rows whose shared keys are
+    read once, and prompt tokens in groups of consecutive tokens: the same bits as every token
+    in a group of its own."""
+    _bf16_kernel()
+    rng = random.Random(SEED)
+    bs, d = 16, 64
+    specs = [(1090, 1, True, False)] + [(1000 + 13 * i, 1, True, True) for i in range(12)]
+    specs += [(1130, 40, False, True), (40, 1, True, False)]
+    k_cache, v_cache, tables, meta = _step(rng, bs, 3, d, torch.bfloat16, specs)
+    n = sum(s[1] for s in specs)
+    q = torch.randn(n, 9, d, generator=torch.Generator().manual_seed(SEED)).bfloat16()
+    backend = CPUBackend()
+    rows, bt, ctx, starts, shared = backend._step_plan(meta, "cpu", bs, 3)
+    sizes = (starts[1:] - starts[:-1]).tolist()
+    assert max(sizes) == 10 and sum(sizes) == n  # 32 rows // 3 rows per token
+    assert max(shared.tolist()) >= 960
+    grouped = cpu_kernels.attention_bf16(
+        q, rows, k_cache, v_cache, bt, ctx, 0.125, starts, shared, torch.empty_like(q)
+    )
+    alone = cpu_kernels.attention_bf16(
+        q,
+        rows,
+        k_cache,
+        v_cache,
+        bt,
+        ctx,
+        0.125,
+        torch.arange(n + 1, dtype=torch.int32),
+        torch.zeros(n, dtype=torch.int32),
+        torch.empty_like(q),
+    )
+    assert torch.equal(grouped, alone), f"seed {SEED}"
+    ref = _dense(q, k_cache, v_cache, tables, specs, 0.125)
+    assert (grouped.double() - ref).abs().max().item() < 2e-2  # rounded to bf16
+
+
+def test_bf16_kernel_rejects_groups_outside_its_limits():
+    _bf16_kernel()
+    rng = random.Random(SEED)
+    k_cache, v_cache, tables, meta = _step(rng, 16, 3, 64, torch.bfloat16, [(300, 1, True, False)])
+    q = torch.randn(1, 9, 64).bfloat16()
+    args = (
+        q,
+        torch.zeros(1, dtype=torch.int64),
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.seq_lens,
+    )
+    start = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="outside its limits"):  # 100 keys: not a round's end
+        cpu_kernels.attention_bf16(
+            *args, 0.125, start, torch.tensor([100], dtype=torch.int32), torch.empty_like(q)
+        )
 
 
 @pytest.mark.parametrize("d", [64, 128])

@@ -7,6 +7,7 @@ import torch
 
 from inference.attention import AttentionMetadata
 from inference.config import ModelConfig
+from inference.layers import LINEAR_ROW_SLAB, Linear, _cancelling_probe
 from inference.model import LlamaModel
 
 
@@ -150,3 +151,17 @@ def test_bf16_rows_are_chunking_invariant():
     for chunks in ([100, 103], [16, 1, 186], [64, 64, 64, 11], [202, 1]):
         got = _run_chunks(ours, ids, chunks, seed=len(chunks))
         assert torch.equal(got, whole), chunks
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("out_f,in_f", [(960, 576), (576, 1536), (3072, 576)])
+def test_linear_rows_do_not_depend_on_the_call_size(dtype, out_f, in_f):
+    """Every call of 1 to 70 rows gives each row the bits of a 70-row call, on inputs whose
+    sums cancel (where any change of summation order shows after rounding; other seeds than
+    the ones ``min_rows`` was measured with)."""
+    w, x = _cancelling_probe(out_f, in_f, 70, dtype, seed=7)
+    lin = Linear(w, None, LINEAR_ROW_SLAB)
+    full = lin(x)
+    for n in range(1, 71):
+        for part in (slice(0, n), slice(70 - n, 70)):
+            assert torch.equal(lin(x[part]), full[part]), (n, part, lin.min_rows)

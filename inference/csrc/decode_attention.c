@@ -347,3 +347,305 @@ int docqa_decode_attention(const void *q, int q_dtype, const int64_t *q_rows, in
     }
     return 0;
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * bf16 attention for every token of a step (prompt and decode), on AVX512-BF16.
+ *
+ * q, K and V are bf16; products go through vdpbf16ps, which multiplies pairs of bf16 values and
+ * adds both products to a float32 lane. Per round of 64 keys and one KV head:
+ *   - the round's K rows are transposed into pairs-by-keys (KT[p] holds pair p of 16 keys per
+ *     vector), so a row's 16 scores are 32 products of a broadcast q pair against KT, summed
+ *     over the pairs in order: no horizontal sums;
+ *   - scores are scaled, keys at or past a row's context are masked, one online-softmax
+ *     rescale follows; the weights are rounded to bf16 in pairs of consecutive keys;
+ *   - the round's V rows are interleaved in pairs of consecutive keys (VP[k2] holds keys 2k2
+ *     and 2k2 + 1 of 32 dims per vector) and a row's output gains 32 products of a broadcast
+ *     weight pair against VP.
+ * Rows go four at a time. A unit is one KV head of a group of tokens: the group's keys in
+ * [0, shared) are walked once for all its rows, with the first token's block table, each row
+ * masked past its own context (tokens of one prompt chunk share one table and need no more);
+ * then each token's keys in [shared, ctx) with its own table (answers that share a manual's
+ * blocks). A masked key adds exact zeros and a round a row has no key in leaves its state as
+ * it was, so a row's result depends only on its query, its context and the block size: the
+ * same bits whether it is a prompt token or a decode token, alone or with any others.
+ * ------------------------------------------------------------------------------------------- */
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+#define BF_MAX_ROWS 32
+#define BF_MAX_DIM 128
+
+typedef struct {
+    __m512 acc[BF_MAX_ROWS][BF_MAX_DIM / 16];
+    float m[BF_MAX_ROWS], l[BF_MAX_ROWS];
+    const uint32_t *q[BF_MAX_ROWS]; /* each row's query as bf16 pairs */
+    int ctx[BF_MAX_ROWS];
+} BfRows;
+
+/* 16 vectors of 16 uint32 -> their transpose (vector p lane j = input j lane p). */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+            t[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+        r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
+    }
+}
+
+/* Keys [from, to) of one table for rows [lo, hi); from is a multiple of ROUND. DIM is 64 or
+ * 128 (a compile-time constant in each caller). */
+static inline __attribute__((always_inline)) void bf_run_keys(
+    BfRows *st, int lo, int hi, const uint16_t *k_cache, const uint16_t *v_cache,
+    const int32_t *table, int from, int to, int kv_head, int num_kv_heads, const int DIM,
+    int block_size, float scale) {
+    const int CH = DIM / 32;   /* 64-byte chunks of a K/V row */
+    const int NP = DIM / 2;    /* bf16 pairs of a row */
+    const int NV = DIM / 16;   /* output vectors of a row */
+    const int64_t key_stride = (int64_t)num_kv_heads * DIM;
+    __m512i kt[BF_MAX_DIM / 2][ROUND / 16];
+    __m512i vp[ROUND / 2][BF_MAX_DIM / 16];
+    uint32_t pw[BF_MAX_ROWS][ROUND / 2];
+    int64_t row_at[ROUND];
+    const __m512i lane_ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+    int blk = from / block_size, in_blk = from % block_size;
+    for (int r0 = from; r0 < to; r0 += ROUND) {
+        const int n = to - r0 < ROUND ? to - r0 : ROUND;
+        for (int j = 0; j < n; j++) {
+            row_at[j] = ((int64_t)table[blk] * block_size + in_blk) * key_stride +
+                        (int64_t)kv_head * DIM;
+            if (++in_blk == block_size) {
+                in_blk = 0;
+                blk++;
+            }
+        }
+        /* K: pairs by keys */
+        for (int kb = 0; kb < ROUND / 16; kb++)
+            for (int c = 0; c < CH; c++) {
+                __m512i r[16];
+                for (int j = 0; j < 16; j++) {
+                    const int key = kb * 16 + j;
+                    r[j] = key < n ? _mm512_loadu_si512(k_cache + row_at[key] + c * 32)
+                                   : _mm512_setzero_si512();
+                }
+                transpose16(r);
+                for (int p = 0; p < 16; p++) kt[c * 16 + p][kb] = r[p];
+            }
+        /* V: consecutive keys interleaved */
+        for (int k2 = 0; k2 < ROUND / 2; k2++) {
+            const int a = 2 * k2, b = 2 * k2 + 1;
+            for (int c = 0; c < CH; c++) {
+                const __m512i va = a < n ? _mm512_loadu_si512(v_cache + row_at[a] + c * 32)
+                                         : _mm512_setzero_si512();
+                const __m512i vb = b < n ? _mm512_loadu_si512(v_cache + row_at[b] + c * 32)
+                                         : _mm512_setzero_si512();
+                vp[k2][2 * c] = _mm512_unpacklo_epi16(va, vb);
+                vp[k2][2 * c + 1] = _mm512_unpackhi_epi16(va, vb);
+            }
+        }
+        for (int g0 = lo; g0 < hi; g0 += 4) {
+            int g[4];
+            for (int i = 0; i < 4; i++) g[i] = g0 + i < hi ? g0 + i : hi - 1;
+            /* scores: 4 rows x 64 keys */
+            __m512 s[4][ROUND / 16];
+            for (int i = 0; i < 4; i++)
+                for (int kb = 0; kb < ROUND / 16; kb++) s[i][kb] = _mm512_setzero_ps();
+            for (int p = 0; p < NP; p++) {
+                __m512bh qb[4];
+                for (int i = 0; i < 4; i++)
+                    qb[i] = (__m512bh)_mm512_set1_epi32((int)st->q[g[i]][p]);
+                for (int kb = 0; kb < ROUND / 16; kb++) {
+                    const __m512bh kv = (__m512bh)kt[p][kb];
+                    for (int i = 0; i < 4; i++) s[i][kb] = _mm512_dpbf16_ps(s[i][kb], kv, qb[i]);
+                }
+            }
+            for (int i = 0; i < 4 && g0 + i < hi; i++) {
+                const int row = g0 + i;
+                const int valid_n = st->ctx[row] - r0; /* keys of the round the row sees */
+                vf mx = (vf)neg_inf;
+                for (int kb = 0; kb < ROUND / 16; kb++) {
+                    const __mmask16 ok = _mm512_cmplt_epi32_mask(
+                        lane_ids, _mm512_set1_epi32(valid_n - kb * 16));
+                    s[i][kb] = _mm512_mask_mul_ps(neg_inf, ok, s[i][kb], _mm512_set1_ps(scale));
+                    mx = (vf)_mm512_max_ps((__m512)mx, s[i][kb]);
+                }
+                const float bm = hmax(mx);
+                const float mn = st->m[row] > bm ? st->m[row] : bm;
+                vf sum = {0};
+                for (int kb = 0; kb < ROUND / 16; kb++) {
+                    const __mmask16 ok = _mm512_cmplt_epi32_mask(
+                        lane_ids, _mm512_set1_epi32(valid_n - kb * 16));
+                    vf e = exp_nonpositive((vf)s[i][kb] - mn);
+                    s[i][kb] = _mm512_maskz_mov_ps(ok, (__m512)e);
+                    sum += (vf)s[i][kb];
+                }
+                const float alpha =
+                    st->m[row] == mn ? 1.0f : exp_nonpositive((vf){0} + (st->m[row] - mn))[0];
+                st->l[row] = st->l[row] * alpha + hsum(sum);
+                st->m[row] = mn;
+                if (alpha != 1.0f)
+                    for (int v = 0; v < NV; v++)
+                        st->acc[row][v] = _mm512_mul_ps(st->acc[row][v], _mm512_set1_ps(alpha));
+                for (int kb = 0; kb < ROUND / 16; kb += 2) {
+                    const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(s[i][kb + 1], s[i][kb]);
+                    _mm512_storeu_si512(&pw[row][kb * 8], w);
+                }
+            }
+            /* weighted values: 4 rows x 4 output vectors at a time */
+            for (int v0 = 0; v0 < NV; v0 += 4) {
+                __m512 a[4][4];
+                for (int i = 0; i < 4; i++)
+                    for (int v = 0; v < 4; v++) a[i][v] = st->acc[g[i]][v0 + v];
+                const int pairs = (n + 1) / 2;
+                for (int k2 = 0; k2 < pairs; k2++) {
+                    __m512bh wb[4];
+                    for (int i = 0; i < 4; i++)
+                        wb[i] = (__m512bh)_mm512_set1_epi32((int)pw[g[i]][k2]);
+                    for (int v = 0; v < 4; v++) {
+                        const __m512bh vv = (__m512bh)vp[k2][v0 + v];
+                        for (int i = 0; i < 4; i++) a[i][v] = _mm512_dpbf16_ps(a[i][v], vv, wb[i]);
+                    }
+                }
+                for (int i = 0; i < 4 && g0 + i < hi; i++)
+                    for (int v = 0; v < 4; v++) st->acc[g0 + i][v0 + v] = a[i][v];
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void bf_unit(
+    const uint16_t *q, const int64_t *q_rows, int members, const int32_t *tables,
+    int64_t table_stride, const int32_t *ctx, int shared, int kv_head, int group,
+    int num_kv_heads, const int DIM, const uint16_t *k_cache, const uint16_t *v_cache,
+    int block_size, float scale, uint16_t *out, const int64_t *out_rows) {
+    const int NV = DIM / 16;
+    BfRows st;
+    const int rows = members * group;
+    for (int i = 0; i < members; i++)
+        for (int g = 0; g < group; g++) {
+            const int r = i * group + g;
+            st.q[r] = (const uint32_t *)(q + q_rows[i] + (int64_t)(kv_head * group + g) * DIM);
+            st.ctx[r] = ctx[i];
+            st.m[r] = -INFINITY;
+            st.l[r] = 0.0f;
+            for (int v = 0; v < NV; v++) st.acc[r][v] = _mm512_setzero_ps();
+        }
+    if (shared > 0)
+        bf_run_keys(&st, 0, rows, k_cache, v_cache, tables, 0, shared, kv_head, num_kv_heads,
+                    DIM, block_size, scale);
+    for (int i = 0; i < members; i++)
+        if (ctx[i] > shared)
+            bf_run_keys(&st, i * group, (i + 1) * group, k_cache, v_cache,
+                        tables + i * table_stride, shared, ctx[i], kv_head, num_kv_heads, DIM,
+                        block_size, scale);
+    /* output vector 2c + h, lane 4L + e holds dim 32c + 8L + 4h + e (the V interleave) */
+    for (int r = 0; r < rows; r++) {
+        const int i = r / group, g = r % group;
+        uint16_t *o = out + out_rows[i] + (int64_t)(kv_head * group + g) * DIM;
+        const float inv = 1.0f / st.l[r];
+        for (int v = 0; v < NV; v++) {
+            uint32_t res[16];
+            _mm512_storeu_ps(res, _mm512_mul_ps(st.acc[r][v], _mm512_set1_ps(inv)));
+            const int c = v / 2, h = v % 2;
+            for (int ln = 0; ln < 16; ln++) /* to bf16, rounding to nearest even */
+                o[32 * c + 8 * (ln / 4) + 4 * h + ln % 4] =
+                    (uint16_t)((res[ln] + 0x7fffu + ((res[ln] >> 16) & 1u)) >> 16);
+        }
+    }
+}
+
+static void bf_unit_d64(const uint16_t *q, const int64_t *q_rows, int members,
+                        const int32_t *tables, int64_t table_stride, const int32_t *ctx,
+                        int shared, int kv_head, int group, int num_kv_heads,
+                        const uint16_t *k_cache, const uint16_t *v_cache, int block_size,
+                        float scale, uint16_t *out, const int64_t *out_rows) {
+    bf_unit(q, q_rows, members, tables, table_stride, ctx, shared, kv_head, group, num_kv_heads,
+            64, k_cache, v_cache, block_size, scale, out, out_rows);
+}
+
+static void bf_unit_d128(const uint16_t *q, const int64_t *q_rows, int members,
+                         const int32_t *tables, int64_t table_stride, const int32_t *ctx,
+                         int shared, int kv_head, int group, int num_kv_heads,
+                         const uint16_t *k_cache, const uint16_t *v_cache, int block_size,
+                         float scale, uint16_t *out, const int64_t *out_rows) {
+    bf_unit(q, q_rows, members, tables, table_stride, ctx, shared, kv_head, group, num_kv_heads,
+            128, k_cache, v_cache, block_size, scale, out, out_rows);
+}
+#endif
+
+/* Which bf16 head sizes docqa_attention_bf16 takes on this build (0: none, no AVX512-BF16). */
+int docqa_attention_bf16_dims(void) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+    return 64 | 128;
+#else
+    return 0;
+#endif
+}
+
+/* Attention of a step's tokens (prompt and decode) in bf16; arguments as for
+ * docqa_decode_attention, except: at most 32 query rows per group; group_shared[u] either a
+ * multiple of 64 or at least every context of its group (one prompt chunk: all its keys,
+ * walked with the first token's table); and the output, bf16 [.., num_heads, dim], written
+ * from element out_rows[t] for token t (the model's attention output rows, in place).
+ * Returns 0, or -1 outside the limits. */
+int docqa_attention_bf16(const void *q, const int64_t *q_rows, int num_tokens,
+                         const int32_t *group_start, const int32_t *group_shared, int num_groups,
+                         const void *k_cache, const void *v_cache, const int32_t *block_tables,
+                         int64_t table_stride, const int32_t *ctx_lens, int num_heads,
+                         int num_kv_heads, int dim, int block_size, float scale, void *out,
+                         const int64_t *out_rows, int num_threads) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+    if ((dim != 64 && dim != 128) || block_size <= 0 || num_kv_heads <= 0 ||
+        num_heads % num_kv_heads)
+        return -1;
+    const int group = num_heads / num_kv_heads;
+    for (int u = 0; u < num_groups; u++) {
+        const int t = group_start[u], members = group_start[u + 1] - t;
+        if (members < 1 || members * group > BF_MAX_ROWS || group_start[u + 1] > num_tokens ||
+            group_shared[u] < 0)
+            return -1;
+        if (group_shared[u] % ROUND)
+            for (int i = 0; i < members; i++)
+                if (ctx_lens[t + i] > group_shared[u]) return -1;
+    }
+    const int units = num_groups * num_kv_heads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads > 0 ? num_threads : 1)
+    for (int u = 0; u < units; u++) {
+        const int grp = u / num_kv_heads, h = u % num_kv_heads;
+        const int t = group_start[grp], members = group_start[grp + 1] - t;
+        const int32_t *tables = block_tables + (int64_t)t * table_stride;
+        uint16_t *o = (uint16_t *)out;
+        if (dim == 64)
+            bf_unit_d64((const uint16_t *)q, q_rows + t, members, tables, table_stride,
+                        ctx_lens + t, group_shared[grp], h, group, num_kv_heads,
+                        (const uint16_t *)k_cache, (const uint16_t *)v_cache, block_size, scale,
+                        o, out_rows + t);
+        else
+            bf_unit_d128((const uint16_t *)q, q_rows + t, members, tables, table_stride,
+                         ctx_lens + t, group_shared[grp], h, group, num_kv_heads,
+                         (const uint16_t *)k_cache, (const uint16_t *)v_cache, block_size, scale,
+                         o, out_rows + t);
+    }
+    return 0;
+#else
+    (void)q, (void)q_rows, (void)num_tokens, (void)group_start, (void)group_shared;
+    (void)num_groups, (void)k_cache, (void)v_cache, (void)block_tables, (void)table_stride;
+    (void)ctx_lens, (void)num_heads, (void)num_kv_heads, (void)dim, (void)block_size;
+    (void)scale, (void)out, (void)out_rows, (void)num_threads;
+    return -1;
+#endif
+}
