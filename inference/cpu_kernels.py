@@ -169,34 +169,47 @@ def decode_groups(
     position in ``order`` (plus the end), and the keys each group's tokens share (a multiple
     of ``ROUND``). A group holds at most ``max_rows // group`` tokens. How tokens are grouped
     only decides which K/V rows are read once for several tokens, never a token's result.
+
+    The tokens are sorted by block table, so answers about one manual lie side by side, and
+    the sorted run is split at its weakest link (the shortest common prefix of two neighbours)
+    while a part is too large or splitting lets the parts share more keys in all: prompts that
+    begin with the same system instructions but go on to different manuals part at the manual.
     """
     per_group = max(1, max_rows // group)
-    by_first: dict[int, list[int]] = {}
-    for t, table in enumerate(tables):
-        key = table[0] if ctx_lens[t] > ROUND and table else -1 - t
-        by_first.setdefault(key, []).append(t)
+    sorted_tokens = sorted(range(len(tables)), key=lambda t: tables[t])
+
+    def common_keys(a: int, b: int) -> int:
+        """Keys two tokens share: whole common blocks before either token's last key."""
+        ta, tb = tables[a], tables[b]
+        n, limit = 0, min(len(ta), len(tb))
+        while n < limit and ta[n] == tb[n]:
+            n += 1
+        keys = min(n * block_size, ctx_lens[a] - 1, ctx_lens[b] - 1)
+        return max(0, keys // ROUND * ROUND)
+
+    # link[i]: keys shared by sorted tokens i - 1 and i; a run's shared keys are its minimum
+    link = [0] + [common_keys(a, b) for a, b in zip(sorted_tokens, sorted_tokens[1:], strict=False)]
+
+    def shared_of(lo: int, hi: int) -> int:
+        return min(link[lo + 1 : hi]) if hi - lo > 1 else 0
+
     order: list[int] = []
     starts: list[int] = [0]
     shared: list[int] = []
-    for members in by_first.values():
-        for c in range(0, len(members), per_group):
-            chunk = members[c : c + per_group]
-            keys = 0
-            if len(chunk) > 1:
-                first = tables[chunk[0]]
-                common = len(first)
-                for t in chunk[1:]:
-                    other = tables[t]
-                    n = 0
-                    while n < common and n < len(other) and other[n] == first[n]:
-                        n += 1
-                    common = n
-                # whole blocks of the common prefix that lie before every token's last key
-                keys = min(common * block_size, min(ctx_lens[t] for t in chunk) - 1)
-                keys = max(0, keys // ROUND * ROUND)
-            order.extend(chunk)
-            starts.append(len(order))
-            shared.append(keys)
+    stack = [(0, len(sorted_tokens))]
+    while stack:
+        lo, hi = stack.pop()
+        keep = shared_of(lo, hi)
+        if hi - lo > 1:
+            cut = min(range(lo + 1, hi), key=lambda i: link[i])
+            gain = shared_of(lo, cut) * (cut - lo - 1) + shared_of(cut, hi) * (hi - cut - 1)
+            if hi - lo > per_group or gain > keep * (hi - lo - 1):
+                stack.append((cut, hi))  # popped after [lo, cut): the sorted order is kept
+                stack.append((lo, cut))
+                continue
+        order.extend(sorted_tokens[lo:hi])
+        starts.append(len(order))
+        shared.append(keep)
     return order, starts, shared
 
 

@@ -185,6 +185,29 @@ def test_bf16_kernel_groups_do_not_change_outputs():
     assert (grouped.double() - ref).abs().max().item() < 2e-2  # rounded to bf16
 
 
+def test_decode_groups_part_at_the_manual_not_at_the_system_instructions():
+    """Every prompt starts with the same system instructions (shared blocks of their own) and
+    goes on to one of four manuals: the groups never mix manuals, each shares its manual's
+    keys, and each holds at most ``max_rows // group`` tokens."""
+    rng = random.Random(SEED)
+    system = [1, 2]
+    manuals = [[100 * (m + 1) + i for i in range(62)] for m in range(4)]
+    tables, ctx, manual_of = [], [], []
+    for t in range(22):
+        m = rng.randrange(4)
+        tables.append(system + manuals[m] + [5000 + 10 * t + i for i in range(3)])
+        ctx.append(1060 + rng.randrange(40))
+        manual_of.append(m)
+    for max_rows in (16, 32):
+        order, starts, shared = cpu_kernels.decode_groups(tables, ctx, 16, 3, max_rows)
+        assert sorted(order) == list(range(22))
+        for a, b, keys in zip(starts, starts[1:], shared, strict=False):
+            members = order[a:b]
+            assert 1 <= len(members) <= max_rows // 3
+            assert len({manual_of[t] for t in members}) == 1, members
+            assert keys == (1024 if len(members) > 1 else 0)
+
+
 def test_bf16_kernel_rejects_groups_outside_its_limits():
     _bf16_kernel()
     rng = random.Random(SEED)

@@ -419,20 +419,36 @@ static inline __attribute__((always_inline)) void bf_run_keys(
     __m512i kt[BF_MAX_DIM / 2][ROUND / 16];
     __m512i vp[ROUND / 2][BF_MAX_DIM / 16];
     uint32_t pw[BF_MAX_ROWS][ROUND / 2];
-    int64_t row_at[ROUND];
+    int64_t at[2][ROUND]; /* element offset of each key's row: this round, the next */
     const __m512i lane_ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
     int blk = from / block_size, in_blk = from % block_size;
-    for (int r0 = from; r0 < to; r0 += ROUND) {
+    /* rows of keys [r, r + n): from the running block position */
+#define BF_ROWS_OF(dst, n)                                                                     \
+    for (int j = 0; j < (n); j++) {                                                            \
+        (dst)[j] = ((int64_t)table[blk] * block_size + in_blk) * key_stride +                 \
+                   (int64_t)kv_head * DIM;                                                     \
+        if (++in_blk == block_size) {                                                          \
+            in_blk = 0;                                                                        \
+            blk++;                                                                             \
+        }                                                                                      \
+    }
+    BF_ROWS_OF(at[0], to - from < ROUND ? to - from : ROUND);
+    for (int r0 = from, cur = 0; r0 < to; r0 += ROUND, cur ^= 1) {
         const int n = to - r0 < ROUND ? to - r0 : ROUND;
-        for (int j = 0; j < n; j++) {
-            row_at[j] = ((int64_t)table[blk] * block_size + in_blk) * key_stride +
-                        (int64_t)kv_head * DIM;
-            if (++in_blk == block_size) {
-                in_blk = 0;
-                blk++;
-            }
+        const int64_t *row_at = at[cur];
+        /* the pool is far larger than the caches and a context's blocks lie anywhere in it:
+         * fetch this round's V rows and the next round's K rows while this one computes */
+        if (r0 + ROUND < to) {
+            const int n2 = to - r0 - ROUND < ROUND ? to - r0 - ROUND : ROUND;
+            BF_ROWS_OF(at[cur ^ 1], n2);
+            for (int j = 0; j < n2; j++)
+                for (int c = 0; c < DIM * 2; c += 64)
+                    _mm_prefetch((const char *)(k_cache + at[cur ^ 1][j]) + c, _MM_HINT_T1);
         }
+        for (int j = 0; j < n; j++)
+            for (int c = 0; c < DIM * 2; c += 64)
+                _mm_prefetch((const char *)(v_cache + row_at[j]) + c, _MM_HINT_T1);
         /* K: pairs by keys */
         for (int kb = 0; kb < ROUND / 16; kb++)
             for (int c = 0; c < CH; c++) {
@@ -525,6 +541,7 @@ static inline __attribute__((always_inline)) void bf_run_keys(
             }
         }
     }
+#undef BF_ROWS_OF
 }
 
 static inline __attribute__((always_inline)) void bf_unit(
