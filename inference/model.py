@@ -19,7 +19,7 @@ from safetensors import safe_open
 from inference.attention import AttentionMetadata, TorchBackend
 from inference.config import ModelConfig, dtype_name
 from inference.errors import ModelError
-from inference.layers import LINEAR_ROW_SLAB, Linear, RotaryTable, rms_norm
+from inference.layers import LINEAR_MAX_SLAB, LINEAR_ROW_SLAB, Linear, RotaryTable, rms_norm
 
 
 @dataclass(slots=True)
@@ -97,8 +97,9 @@ class LlamaModel:
         self.rotary = RotaryTable(cfg, cfg.max_position_embeddings, dtype, self.device)
         self.scale = cfg.head_dim**-0.5
         self.attn_backend = TorchBackend()  # the engine sets the configured backend
-        # on this CPU bf16 rows are batch-invariant in slabs of 32 (layers.py); fp32 has no
-        # such path, and on CUDA slabs would only cost speed
+        # bf16 rows are batch-invariant in slabs of 32 on every CPU measured, of up to 128 on
+        # some (layers.py: measured per shape); fp32 has no such path, and on CUDA slabs would
+        # only cost speed. The LM head sees one row per sequence, so it keeps 32.
         cpu_bf16 = dtype == torch.bfloat16 and self.device.type == "cpu"
         self.row_slab = LINEAR_ROW_SLAB if cpu_bf16 else None
 
@@ -172,6 +173,7 @@ class LlamaModel:
             return take(name) if name in sd else None
 
         slab = self.row_slab
+        big = LINEAR_MAX_SLAB if slab else None
         self.embed = take("model.embed_tokens.weight")
         self.final_norm = take("model.norm.weight")
         if cfg.tie_word_embeddings or "lm_head.weight" not in sd:
@@ -200,8 +202,8 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=Linear(qkv.contiguous(), bias, slab),
-                    o_proj=Linear(take(p + "self_attn.o_proj.weight"), None, slab),
+                    qkv=Linear(qkv.contiguous(), bias, slab, big),
+                    o_proj=Linear(take(p + "self_attn.o_proj.weight"), None, slab, big),
                     post_norm=take(p + "post_attention_layernorm.weight"),
                     gate_up=Linear(
                         torch.cat(
@@ -209,8 +211,9 @@ class LlamaModel:
                         ).contiguous(),
                         None,
                         slab,
+                        big,
                     ),
-                    down=Linear(take(p + "mlp.down_proj.weight"), None, slab),
+                    down=Linear(take(p + "mlp.down_proj.weight"), None, slab, big),
                 )
             )
 

@@ -7,7 +7,7 @@ import torch
 
 from inference.attention import AttentionMetadata
 from inference.config import ModelConfig
-from inference.layers import LINEAR_ROW_SLAB, Linear, _cancelling_probe
+from inference.layers import LINEAR_MAX_SLAB, LINEAR_ROW_SLAB, Linear, _cancelling_probe
 from inference.model import LlamaModel
 
 
@@ -156,12 +156,15 @@ def test_bf16_rows_are_chunking_invariant():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("out_f,in_f", [(960, 576), (576, 1536), (3072, 576)])
 def test_linear_rows_do_not_depend_on_the_call_size(dtype, out_f, in_f):
-    """Every call of 1 to 70 rows gives each row the bits of a 70-row call, on inputs whose
-    sums cancel (where any change of summation order shows after rounding; other seeds than
-    the ones ``min_rows`` was measured with)."""
-    w, x = _cancelling_probe(out_f, in_f, 70, dtype, seed=7)
-    lin = Linear(w, None, LINEAR_ROW_SLAB)
+    """Every call of 1 to 300 rows gives each row the bits of a 300-row call, with the slab
+    the probe chose (32 to 128 rows) and its padding, on inputs whose sums cancel (where any
+    change of summation order shows after rounding; another seed than the probe's)."""
+    w, x = _cancelling_probe(out_f, in_f, 300, dtype, seed=7)
+    lin = Linear(w, None, LINEAR_ROW_SLAB, LINEAR_MAX_SLAB)
+    assert lin.row_slab in (32, 64, 128) and 1 <= lin.min_rows <= lin.row_slab
     full = lin(x)
-    for n in range(1, 71):
-        for part in (slice(0, n), slice(70 - n, 70)):
-            assert torch.equal(lin(x[part]), full[part]), (n, part, lin.min_rows)
+    sizes = list(range(1, 2 * lin.row_slab + 3)) + [255, 256, 257, 299]
+    for n in sizes:
+        for part in (slice(0, n), slice(300 - n, 300)):
+            got = lin(x[part])
+            assert torch.equal(got, full[part]), (n, part, lin.row_slab, lin.min_rows)
