@@ -1,5 +1,8 @@
-/* Paged decode attention on the CPU: each decode token's query heads against its context,
- * read in place from the paged KV pool (no gather), in float32.
+/* Paged attention on the CPU, read in place from the paged KV pool (no gather):
+ *   - docqa_decode_attention: each decode token's query heads against its context, in float32
+ *     from bf16 or float32 K/V (this part);
+ *   - docqa_attention_bf16: every token of a step, prompt and decode, in bf16 products with
+ *     float32 sums on AVX512-BF16 (the second part of this file).
  *
  * Layout (CONTRACTS.md, "Paged KV layout and kernels"): k_cache/v_cache are
  * [num_blocks, block_size, num_kv_heads, head_dim]; a token's block table row lists its blocks.
