@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import platform
 import queue
 import random
@@ -70,7 +71,44 @@ WORDS = [
     "alarm",
     "timer",
 ]
-LLAMA_CPP_DECODE_TOK_S = 94  # llama.cpp's llama-server, same model, this machine
+LLAMA_CPP_ZEN5_DECODE_TOK_S = 94  # llama.cpp's llama-server, same model, AMD Zen 5, 2 threads
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def llama_cpp_decode() -> tuple[float, str]:
+    """llama-server's decode tokens/s one request at a time on this machine, from the newest
+    bench/peers.py run here ((tokens - 1) / (end - first token), median), with where it came
+    from; the Zen 5 figure when no run here is on record."""
+    here = f"{cpu_model()}, {os.cpu_count()} cores"
+    for path in sorted(RESULTS.glob("peers-*.json"), reverse=True):
+        try:
+            run = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not run.get("versions", {}).get("machine", "").startswith(here):
+            continue
+        rates = [
+            (r["output_tokens"] - 1) / ((r["e2e_ms"] - r["ttft_ms"]) / 1000)
+            for r in run.get("records", [])
+            if r["system"] == "llama-server"
+            and r["concurrency"] == 1
+            and not r.get("error")
+            and r["output_tokens"] > 1
+            and r["e2e_ms"] > r["ttft_ms"]
+        ]
+        if rates:
+            return statistics.median(rates), f"measured here by bench/peers.py, {path.name}"
+    return float(LLAMA_CPP_ZEN5_DECODE_TOK_S), "not measured here; this figure is from a Zen 5"
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -275,9 +313,10 @@ def main() -> int:
             f"| {lvl['cache_hit_rate']:.3f} |"
         )
     decode = 1000 / base["tpot_p50_ms"] if base["tpot_p50_ms"] else float("nan")
+    llama, llama_source = llama_cpp_decode()
     print(
-        f"\n1-client decode: {decode:.1f} tokens/s (llama.cpp's llama-server on this machine: "
-        f"{LLAMA_CPP_DECODE_TOK_S} tokens/s)"
+        f"\n1-client decode: {decode:.1f} tokens/s; llama.cpp's llama-server: {llama:.1f} "
+        f"tokens/s ({llama_source})"
     )
     top = levels[-1]
     goals = {
@@ -295,11 +334,13 @@ def main() -> int:
     out.write_text(
         json.dumps(
             {
-                "machine": platform.processor() or platform.machine(),
+                "machine": f"{cpu_model()}, {os.cpu_count()} cores",
                 "args": vars(args),
                 "levels": levels,
                 "goals": goals,
                 "decode_tokens_per_s_1_client": decode,
+                "llama_cpp_decode_tokens_per_s": llama,
+                "llama_cpp_decode_source": llama_source,
             },
             indent=2,
         )

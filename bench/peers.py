@@ -602,7 +602,9 @@ def write_report(out_md: Path, summary: dict, info: dict, kv: list[dict], args, 
             f"{r['used_peak_bytes'] / r['predicted_block_bytes']:.3f} | "
             f"{r['allocated_bytes'] / mib:.1f} | {r['spec_pool_bytes'] / mib:.1f} |"
         )
-    lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
+    lines += [""]
     lines += [f"Raw per-request records: {out_md.with_suffix('.json').name}", ""]
     out_md.write_text("\n".join(lines))
 
@@ -711,7 +713,11 @@ def main() -> int:
     summary = summarize(records, walls)
     info = versions()
     info["measured"] = "; ".join(f"{k}: {v}" for k, v in runs.items())
-    plots = plot(summary, args.systems, out_md.with_suffix(""))
+    try:
+        plots = plot(summary, args.systems, out_md.with_suffix(""))
+    except ImportError:
+        print("no plots: matplotlib is not installed (pip install -e '.[bench]')", file=sys.stderr)
+        plots = []
     write_report(out_md, summary, info, kv, args, plots)
     out_md.with_suffix(".json").write_text(
         json.dumps(
