@@ -588,23 +588,18 @@ static inline __attribute__((always_inline)) void bf_unit(
     }
 }
 
-static void bf_unit_d64(const uint16_t *q, const int64_t *q_rows, int members,
-                        const int32_t *tables, int64_t table_stride, const int32_t *ctx,
-                        int shared, int kv_head, int group, int num_kv_heads,
-                        const uint16_t *k_cache, const uint16_t *v_cache, int block_size,
-                        float scale, uint16_t *out, const int64_t *out_rows) {
-    bf_unit(q, q_rows, members, tables, table_stride, ctx, shared, kv_head, group, num_kv_heads,
-            64, k_cache, v_cache, block_size, scale, out, out_rows);
-}
-
-static void bf_unit_d128(const uint16_t *q, const int64_t *q_rows, int members,
-                         const int32_t *tables, int64_t table_stride, const int32_t *ctx,
-                         int shared, int kv_head, int group, int num_kv_heads,
-                         const uint16_t *k_cache, const uint16_t *v_cache, int block_size,
-                         float scale, uint16_t *out, const int64_t *out_rows) {
-    bf_unit(q, q_rows, members, tables, table_stride, ctx, shared, kv_head, group, num_kv_heads,
-            128, k_cache, v_cache, block_size, scale, out, out_rows);
-}
+/* The unit with the head size known to the compiler. */
+#define BF_SPECIALIZED(name, DIM)                                                                \
+    static void name(const uint16_t *q, const int64_t *q_rows, int members,                     \
+                     const int32_t *tables, int64_t table_stride, const int32_t *ctx, int shared, \
+                     int kv_head, int group, int num_kv_heads, const uint16_t *k_cache,          \
+                     const uint16_t *v_cache, int block_size, float scale, uint16_t *out,        \
+                     const int64_t *out_rows) {                                                  \
+        bf_unit(q, q_rows, members, tables, table_stride, ctx, shared, kv_head, group,          \
+                num_kv_heads, DIM, k_cache, v_cache, block_size, scale, out, out_rows);          \
+    }
+BF_SPECIALIZED(bf_unit_d64, 64)
+BF_SPECIALIZED(bf_unit_d128, 128)
 #endif
 
 /* Which bf16 head sizes docqa_attention_bf16 takes on this build (0: none, no AVX512-BF16). */
