@@ -381,8 +381,8 @@ BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 def resolve_backend(name: str | None, device: torch.device) -> str:
-    """``auto``: Triton kernels on CUDA; on a CPU the compiled decode kernel (``cpu``) where it
-    builds, else the torch reference. ``triton`` on a CPU needs ``TRITON_INTERPRET=1`` (tests);
+    """``auto``: Triton kernels on CUDA; on a CPU the compiled attention kernels (``cpu``) where
+    they build, else the torch reference. ``triton`` on a CPU needs ``TRITON_INTERPRET=1`` (tests);
     ``DOCQA_ATTENTION_BACKEND`` sets the default."""
     import os
 

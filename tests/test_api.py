@@ -245,7 +245,7 @@ def test_engine_info_metrics_and_schema(api):
     assert e["model"] == "SmolLM2-135M-Instruct"
     assert e["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * {"bfloat16": 2, "float32": 4}[e["kv_dtype"]]
     assert e["kv_capacity_tokens"] == e["kv_capacity_blocks"] * e["block_size"]
-    assert e["attention_backend"] == "cpu"  # the compiled decode kernel (gcc is here)
+    assert e["attention_backend"] == "cpu"  # the compiled CPU kernels (gcc is here)
     assert e["blocks_in_use"] + e["blocks_free"] == e["kv_capacity_blocks"]
     assert abs(e["max_concurrency"] - e["kv_capacity_tokens"] / e["max_model_len"]) < 0.01
     names = metrics(api)

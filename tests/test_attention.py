@@ -27,7 +27,7 @@ BACKENDS = ["torch", "cpu"]
 def _attention(backend: str, q, k_cache, v_cache, meta, scale):
     if backend == "torch":
         return paged_attention_reference(q, k_cache, v_cache, meta, scale)
-    assert cpu_kernels.kernels_available(), "the decode kernel did not build (is gcc installed?)"
+    assert cpu_kernels.kernels_available(), "the CPU kernels did not build (is gcc installed?)"
     return CPUBackend().attention(q, k_cache, v_cache, meta, scale)
 
 

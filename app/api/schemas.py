@@ -131,7 +131,7 @@ class EngineInfo(Struct):
     kv_dtype: str
     device: str
     attention_backend: Annotated[
-        str, Meta(description="torch, cpu (compiled decode kernel) or triton")
+        str, Meta(description="torch, cpu (compiled CPU attention kernels) or triton")
     ]
     block_size: int
     max_model_len: int
