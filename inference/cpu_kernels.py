@@ -172,8 +172,9 @@ def decode_groups(
 
     The tokens are sorted by block table, so answers about one manual lie side by side, and
     the sorted run is split at its weakest link (the shortest common prefix of two neighbours)
-    while a part is too large or splitting lets the parts share more keys in all: prompts that
-    begin with the same system instructions but go on to different manuals part at the manual.
+    while a part is too large, shares nothing, or splitting lets the parts share more keys in
+    all: prompts that begin with the same system instructions but go on to different manuals
+    part at the manual.
     """
     per_group = max(1, max_rows // group)
     sorted_tokens = sorted(range(len(tables)), key=lambda t: tables[t])
@@ -203,7 +204,7 @@ def decode_groups(
         if hi - lo > 1:
             cut = min(range(lo + 1, hi), key=lambda i: link[i])
             gain = shared_of(lo, cut) * (cut - lo - 1) + shared_of(cut, hi) * (hi - cut - 1)
-            if hi - lo > per_group or gain > keep * (hi - lo - 1):
+            if hi - lo > per_group or keep == 0 or gain > keep * (hi - lo - 1):
                 stack.append((cut, hi))  # popped after [lo, cut): the sorted order is kept
                 stack.append((lo, cut))
                 continue
