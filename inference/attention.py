@@ -439,6 +439,29 @@ class CPUBackend(TorchBackend):
 
         self.k = cpu_kernels
 
+    def _decode_tokens(self, meta: AttentionMetadata, bs: int, group: int, max_rows: int):
+        """The step's decode tokens in the kernel's group order: (rows of q, sequences,
+        context lengths, group starts, keys each group shares) (``cpu_kernels.decode_groups``)."""
+        rows, seqs = [], []
+        start = 0
+        for i, (ql, dec) in enumerate(zip(meta.query_lens_list, meta.is_decode_list, strict=True)):
+            if dec:
+                rows.append(start)
+                seqs.append(i)
+            start += ql
+        if not rows:
+            return [], [], [], [0], []
+        ctx = [meta.seq_lens_list[i] for i in seqs]
+        tables = [meta.block_tables[i, : meta.num_blocks_list[i]].tolist() for i in seqs]
+        order, starts, shared = self.k.decode_groups(tables, ctx, bs, group, max_rows)
+        return (
+            [rows[o] for o in order],
+            [seqs[o] for o in order],
+            [ctx[o] for o in order],
+            starts,
+            shared,
+        )
+
     def _step_plan(self, meta: AttentionMetadata, device, bs: int, group: int):
         """The bf16 kernel's tokens and groups for this step (built once, used by every
         layer): prompt chunks first, cut into groups of consecutive tokens, then the decode
@@ -451,15 +474,11 @@ class CPUBackend(TorchBackend):
         seq_of: list[int] = []
         ctx: list[int] = []
         starts, shared = [0], []
-        dec_rows, dec_seqs = [], []
         start = 0
         for i, (sl, ql, dec) in enumerate(
             zip(meta.seq_lens_list, meta.query_lens_list, meta.is_decode_list, strict=True)
         ):
-            if dec:
-                dec_rows.append(start)
-                dec_seqs.append(i)
-            else:
+            if not dec:
                 first = sl - ql  # position of the chunk's first token
                 for c in range(0, ql, per):
                     n = min(per, ql - c)
@@ -469,19 +488,14 @@ class CPUBackend(TorchBackend):
                     starts.append(len(q_rows))
                     shared.append(first + c + n)  # every key of the group, one table
             start += ql
-        if dec_rows:
-            dctx = [meta.seq_lens_list[i] for i in dec_seqs]
-            tables = [meta.block_tables[i, : meta.num_blocks_list[i]].tolist() for i in dec_seqs]
-            order, dstarts, dshared = self.k.decode_groups(
-                tables, dctx, bs, group, self.k.BF16_MAX_ROWS
-            )
-            base = len(q_rows)
-            for o in order:
-                q_rows.append(dec_rows[o])
-                seq_of.append(dec_seqs[o])
-                ctx.append(dctx[o])
-            starts.extend(base + x for x in dstarts[1:])
-            shared.extend(dshared)
+        d_rows, d_seqs, d_ctx, d_starts, d_shared = self._decode_tokens(
+            meta, bs, group, self.k.BF16_MAX_ROWS
+        )
+        starts.extend(len(q_rows) + x for x in d_starts[1:])
+        shared.extend(d_shared)
+        q_rows += d_rows
+        seq_of += d_seqs
+        ctx += d_ctx
         seqs = torch.tensor(seq_of, dtype=torch.int64, device=device)
         plan = (
             torch.tensor(q_rows, dtype=torch.int64, device=device),
@@ -497,28 +511,29 @@ class CPUBackend(TorchBackend):
         plan = meta.scratch.get("cpu-decode", False)
         if plan is not False:
             return plan
-        rows, seqs = [], []
-        start = 0
-        for i, (ql, dec) in enumerate(zip(meta.query_lens_list, meta.is_decode_list, strict=True)):
-            if dec:
-                rows.append(start)
-                seqs.append(i)
-            start += ql
+        rows, seqs, ctx, starts, shared = self._decode_tokens(meta, bs, group, self.k.MAX_ROWS)
         plan = None
         if rows:
-            ctx = [meta.seq_lens_list[i] for i in seqs]
-            tables = [meta.block_tables[i, : meta.num_blocks_list[i]].tolist() for i in seqs]
-            order, starts, shared = self.k.decode_groups(tables, ctx, bs, group)
-            idx = torch.tensor([seqs[o] for o in order], dtype=torch.int64, device=device)
+            idx = torch.tensor(seqs, dtype=torch.int64, device=device)
             plan = (
-                torch.tensor([rows[o] for o in order], dtype=torch.int64, device=device),
+                torch.tensor(rows, dtype=torch.int64, device=device),
                 meta.block_tables.index_select(0, idx),
-                meta.seq_lens.index_select(0, idx),
+                torch.tensor(ctx, dtype=torch.int32, device=device),
                 torch.tensor(starts, dtype=torch.int32),
                 torch.tensor(shared, dtype=torch.int32),
             )
         meta.scratch["cpu-decode"] = plan
         return plan
+
+    @staticmethod
+    def _offsets(meta: AttentionMetadata, rows: torch.Tensor, stride: int) -> torch.Tensor:
+        """Each token's first element in a tensor whose rows are ``stride`` apart (the same
+        for every layer of a step: worked out once)."""
+        key = ("cpu-offsets", rows.data_ptr(), stride)
+        off = meta.scratch.get(key)
+        if off is None:
+            off = meta.scratch[key] = rows * stride
+        return off
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         num_heads, d = q.shape[1], q.shape[2]
@@ -527,8 +542,12 @@ class CPUBackend(TorchBackend):
         if self.k.bf16_kernel_supports(q.dtype, k_cache.dtype, num_heads, kvh, d):
             rows, tables, ctx, starts, shared = self._step_plan(meta, q.device, bs, group)
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            offsets = (
+                self._offsets(meta, rows, q.stride(0)),
+                self._offsets(meta, rows, out.stride(0)),
+            )
             return self.k.attention_bf16(
-                q, rows, k_cache, v_cache, tables, ctx, scale, starts, shared, out
+                q, rows, k_cache, v_cache, tables, ctx, scale, starts, shared, out, offsets
             )
         if not self.k.decode_kernel_supports(q.dtype, k_cache.dtype, num_heads, kvh, d, bs):
             return paged_attention_reference(q, k_cache, v_cache, meta, scale)
@@ -541,7 +560,16 @@ class CPUBackend(TorchBackend):
         if dec is not None:
             rows, tables, lens, starts, shared = dec
             o = self.k.decode_attention(
-                q, rows, k_cache, v_cache, tables, lens, scale, starts, shared
+                q,
+                rows,
+                k_cache,
+                v_cache,
+                tables,
+                lens,
+                scale,
+                starts,
+                shared,
+                self._offsets(meta, rows, q.stride(0)),
             )
             out.index_copy_(0, rows, o.to(out.dtype))
         return out

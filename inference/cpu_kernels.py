@@ -224,6 +224,7 @@ def decode_attention(
     scale: float,
     group_start: torch.Tensor | None = None,  # [G + 1] int32 (decode_groups); None: one each
     group_shared: torch.Tensor | None = None,  # [G] int32
+    q_start: torch.Tensor | None = None,  # [T] int64 q_rows * q.stride(0), when already known
 ) -> torch.Tensor:  # [T, num_heads, dim] float32, in group order
     """Each decode token's attention over its context, read in place from the pool."""
     assert q.stride(2) == 1 and q.stride(1) == q.shape[2]
@@ -238,7 +239,8 @@ def decode_attention(
         group_shared = torch.zeros(t, dtype=torch.int32)
     assert group_start.dtype == torch.int32 and group_shared.dtype == torch.int32
     out = torch.empty((t, num_heads, dim), dtype=torch.float32)
-    q_start = q_rows * q.stride(0)  # each token's first element (held until the call returns)
+    if q_start is None:  # each token's first element (held until the call returns)
+        q_start = q_rows * q.stride(0)
     rc = decode_attention_library().docqa_decode_attention(
         q.data_ptr(),
         DTYPES[q.dtype],
@@ -277,6 +279,8 @@ def attention_bf16(
     group_start: torch.Tensor,  # [G + 1] int32
     group_shared: torch.Tensor,  # [G] int32: a multiple of ROUND, or >= every context of G
     out: torch.Tensor,  # [num_rows, num_heads, dim] bf16, contiguous: token t's row q_rows[t]
+    offsets: tuple[torch.Tensor, torch.Tensor] | None = None,  # q_rows times q's, out's row
+    # strides, when already known (the same for every layer of a step)
 ) -> torch.Tensor:
     """Attention of prompt and decode tokens alike, read in place from the pool and written in
     place into ``out`` (``docqa_attention_bf16``)."""
@@ -288,8 +292,9 @@ def attention_bf16(
     assert group_start.dtype == torch.int32 and group_shared.dtype == torch.int32
     _, num_heads, dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    q_start = q_rows * q.stride(0)  # held until the call returns
-    out_start = q_rows * out.stride(0)
+    if offsets is None:  # held until the call returns
+        offsets = (q_rows * q.stride(0), q_rows * out.stride(0))
+    q_start, out_start = offsets
     rc = decode_attention_library().docqa_attention_bf16(
         q.data_ptr(),
         q_start.data_ptr(),
