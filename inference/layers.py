@@ -20,6 +20,7 @@ where any change of summation order shows after rounding: the slab is the larges
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -67,9 +68,14 @@ def _save_probes() -> None:
         os.replace(tmp, path)
 
 
+@functools.cache
 def _mkldnn_packing_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(
-        torch.ops.mkldnn, "_reorder_linear_weight"
+    """oneDNN packs bf16 weights only where the CPU has the instructions for it (AVX512BW/VL/DQ
+    or AVX-NE-CONVERT); elsewhere bf16 products go through F.linear."""
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
 
 
