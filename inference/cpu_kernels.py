@@ -30,6 +30,7 @@ from inference.model_import import docqa_home
 log = logging.getLogger("docqa.engine")
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
+LINEAR_SOURCE = Path(__file__).parent / "csrc" / "linear.c"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # the kernel's limits (decode_attention.c): head_dim a multiple of 32 up to 256, at most 16
@@ -113,6 +114,80 @@ def kernels_available() -> bool:
         log.warning("CPU kernels unavailable, using the torch paths: %s", e)
         return False
     return True
+
+
+@functools.cache
+def linear_library() -> ctypes.CDLL:
+    """The compiled float32 linear kernel (built on first use); raises KernelBuildError."""
+    lib = ctypes.CDLL(str(_build(LINEAR_SOURCE)))
+    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    fn = lib.docqa_linear_f32
+    fn.argtypes = [p, i, i64, p, i, i, p, p, i64, p, i]
+    fn.restype = i
+    lib.docqa_linear_f32_panel.argtypes = []
+    lib.docqa_linear_f32_panel.restype = i
+    return lib
+
+
+@functools.cache
+def linear_f32_panel() -> int:
+    """Output features per packed panel of the float32 linear kernel; 0 where it is not built
+    (no C compiler, no FMA vectors on this CPU, or DOCQA_CPU_KERNELS=0)."""
+    if os.environ.get("DOCQA_CPU_KERNELS", "1") == "0":
+        return 0
+    try:
+        return linear_library().docqa_linear_f32_panel()
+    except (KernelBuildError, OSError, subprocess.SubprocessError) as e:
+        log.warning("CPU linear kernel unavailable, using torch's: %s", e)
+        return 0
+
+
+LINEAR_ROW_BLOCK, LINEAR_K_BLOCK = 96, 384  # linear.c's ROW_BLOCK and K_BLOCK
+
+
+def pack_linear_f32(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] float32 -> panels [ceil(out / P), in, P] (linear.c), features past out zero."""
+    panel = linear_f32_panel()
+    n, k = weight.shape
+    panels = -(-n // panel)
+    padded = weight.new_zeros(panels * panel, k)
+    padded[:n] = weight
+    return padded.view(panels, panel, k).transpose(1, 2).contiguous()
+
+
+def linear_f32(
+    x: torch.Tensor,  # [m, in] float32, rows dense (may be strided)
+    packed: torch.Tensor,  # pack_linear_f32(weight)
+    out_features: int,
+    bias: torch.Tensor | None = None,  # [out] float32, contiguous
+) -> torch.Tensor:
+    """x @ weight.T (+ bias), each output one fused multiply-add chain over the inputs in
+    order: a row's bits never depend on the other rows of the call (``docqa_linear_f32``)."""
+    assert x.dtype == torch.float32 and x.dim() == 2
+    m, k = x.shape
+    if x.stride(1) != 1 or x.stride(0) < k:
+        x = x.contiguous()
+    assert packed.shape[1] == k and packed.is_contiguous()
+    y = x.new_empty(m, out_features)
+    part = None
+    if k > LINEAR_K_BLOCK and m:
+        part = x.new_empty(min(m, LINEAR_ROW_BLOCK) * packed.shape[0] * packed.shape[2])
+    rc = linear_library().docqa_linear_f32(
+        x.data_ptr(),
+        m,
+        x.stride(0),
+        packed.data_ptr(),
+        out_features,
+        k,
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        out_features,
+        None if part is None else part.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(f"float32 linear kernel: bad sizes {tuple(x.shape)} x {out_features}")
+    return y
 
 
 def decode_kernel_supports(

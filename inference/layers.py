@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from inference import cpu_kernels
 from inference.config import ModelConfig
 
 LINEAR_ROW_SLAB = 32  # the slab every CPU keeps rows invariant in (fewest rows measured)
@@ -125,6 +126,16 @@ class Linear:
         self.bias = bias
         self.out_features = weight.shape[0]
         self._packed = None
+        self._panels = None  # the float32 kernel's packed weight (cpu_kernels.linear_f32)
+        if (
+            weight.device.type == "cpu"
+            and weight.dtype == torch.float32
+            and cpu_kernels.linear_f32_panel()
+        ):
+            self._panels = cpu_kernels.pack_linear_f32(weight)
+            self.row_slab = None  # invariant by construction: no slabs, no padding
+            self.min_rows = 1
+            return
         if (
             weight.device.type == "cpu"
             and weight.dtype == torch.bfloat16
@@ -185,6 +196,8 @@ class Linear:
         return min_rows
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
+        if self._panels is not None:
+            return cpu_kernels.linear_f32(x, self._panels, self.out_features, self.bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from inference import cpu_kernels
 from inference.attention import AttentionMetadata
 from inference.config import ModelConfig
 from inference.layers import LINEAR_MAX_SLAB, LINEAR_ROW_SLAB, Linear, _cancelling_probe
@@ -156,15 +157,41 @@ def test_bf16_rows_are_chunking_invariant():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("out_f,in_f", [(960, 576), (576, 1536), (3072, 576)])
 def test_linear_rows_do_not_depend_on_the_call_size(dtype, out_f, in_f):
-    """Every call of 1 to 300 rows gives each row the bits of a 300-row call, with the slab
-    the probe chose (32 to 128 rows) and its padding, on inputs whose sums cancel (where any
-    change of summation order shows after rounding; another seed than the probe's)."""
+    """Every call of 1 to 300 rows gives each row the bits of a 300-row call, on inputs whose
+    sums cancel (where any change of summation order shows after rounding; another seed than
+    the probe's): in bf16 with the slab the probe chose (32 to 128 rows) and its padding, in
+    float32 through linear.c (no slabs) where it is built."""
     w, x = _cancelling_probe(out_f, in_f, 300, dtype, seed=7)
     lin = Linear(w, None, LINEAR_ROW_SLAB, LINEAR_MAX_SLAB)
-    assert lin.row_slab in (32, 64, 128) and 1 <= lin.min_rows <= lin.row_slab
+    if dtype == torch.float32 and cpu_kernels.linear_f32_panel():
+        assert lin.row_slab is None and lin.min_rows == 1
+        sizes = list(range(1, 40)) + [95, 96, 97, 191, 192, 193, 255, 299]
+    else:
+        assert lin.row_slab in (32, 64, 128) and 1 <= lin.min_rows <= lin.row_slab
+        sizes = list(range(1, 2 * lin.row_slab + 3)) + [255, 256, 257, 299]
     full = lin(x)
-    sizes = list(range(1, 2 * lin.row_slab + 3)) + [255, 256, 257, 299]
     for n in sizes:
         for part in (slice(0, n), slice(300 - n, 300)):
             got = lin(x[part])
             assert torch.equal(got, full[part]), (n, part, lin.row_slab, lin.min_rows)
+
+
+@pytest.mark.skipif(not cpu_kernels.linear_f32_panel(), reason="linear.c is not built here")
+@pytest.mark.parametrize("out_f,in_f,bias", [(50, 70, True), (1000, 576, False), (33, 1536, True)])
+def test_linear_f32_kernel_against_float64(out_f, in_f, bias):
+    """linear.c's products, bias included, against float64 within float32 rounding of a
+    sequential sum, for odd feature counts (partial panels), rows that span its row blocks and
+    strided inputs; equal bits for a row alone and in the call."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(out_f, in_f, generator=gen)
+    b = torch.randn(out_f, generator=gen) if bias else None
+    wide = torch.randn(200, in_f + 9, generator=gen)
+    x = wide[:, 3 : 3 + in_f]  # rows strided
+    lin = Linear(w, b)
+    got = lin(x)
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    bound = 4 * in_f * 2**-24 * (x.double().abs() @ w.double().abs().T) + 1e-6
+    assert ((got.double() - ref).abs() <= bound).all()
+    for r in (0, 95, 96, 199):
+        assert torch.equal(lin(x[r : r + 1]), got[r : r + 1])
+    assert lin(x[:0]).shape == (0, out_f)

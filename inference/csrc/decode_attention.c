@@ -24,16 +24,27 @@
 #define MAX_DIM 256
 #define MAX_GROUP 16
 #define MAX_ROWS 16 /* query rows in one unit */
-#define LANES 16
 #define ROUND 64 /* keys per online-softmax round, from key 0 */
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
-/* GCC/Clang vector extensions: 16 float lanes, lowered to the target's widest vectors. */
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
+/* GCC/Clang vector extensions as wide as the target's vectors: 16 float lanes with AVX-512,
+ * else 8 (vectors wider than the target's are split, and their shuffles and compares
+ * lowered lane by lane). */
+#ifdef __AVX512F__
+#define LANES 16
+#else
+#define LANES 8
+#endif
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef int32_t vi __attribute__((vector_size(LANES * 4)));
+typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
+typedef uint16_t vh __attribute__((vector_size(LANES * 2)));
+#if LANES == 16
+#define LANE_IDS {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}
+#else
+#define LANE_IDS {0, 1, 2, 3, 4, 5, 6, 7}
+#endif
 
 static inline vf load16(const void *base, int64_t index, int dtype) {
     if (dtype == DT_BF16) {
@@ -103,50 +114,58 @@ static inline vf exp_nonpositive(vf x) {
     return y * scale;
 }
 
-/* Lanes [a0+a1, a2+a3, ..., a14+a15, b0+b1, ..., b14+b15]. */
+/* Lanes [a0+a1, a2+a3, ..., b0+b1, b2+b3, ...]. */
 static inline vf pair_sums(vf a, vf b) {
+#if LANES == 16
     const vi even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
     const vi odd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+#else
+    const vi even = {0, 2, 4, 6, 8, 10, 12, 14};
+    const vi odd = {1, 3, 5, 7, 9, 11, 13, 15};
+#endif
     return __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
 }
 
-/* p[j] holds key j's 16 partial products; lane j of the result is their sum (a fixed tree). */
+/* p[j] holds key j's LANES partial products; lane j of the result is their sum (a fixed
+ * tree: pairs of lanes, then pairs of pairs, ...). */
 static inline vf reduce16(const vf *p) {
-    const vf a0 = pair_sums(p[0], p[1]), a1 = pair_sums(p[2], p[3]);
-    const vf a2 = pair_sums(p[4], p[5]), a3 = pair_sums(p[6], p[7]);
-    const vf a4 = pair_sums(p[8], p[9]), a5 = pair_sums(p[10], p[11]);
-    const vf a6 = pair_sums(p[12], p[13]), a7 = pair_sums(p[14], p[15]);
-    const vf b0 = pair_sums(a0, a1), b1 = pair_sums(a2, a3);
-    const vf b2 = pair_sums(a4, a5), b3 = pair_sums(a6, a7);
-    return pair_sums(pair_sums(b0, b1), pair_sums(b2, b3));
+    vf t[LANES];
+#pragma GCC unroll 16
+    for (int j = 0; j < LANES; j++) t[j] = p[j];
+#pragma GCC unroll 4
+    for (int w = LANES; w > 1; w /= 2)
+#pragma GCC unroll 8
+        for (int i = 0; i < w / 2; i++) t[i] = pair_sums(t[2 * i], t[2 * i + 1]);
+    return t[0];
 }
 
-/* Sum and maximum of the 16 lanes, by a fixed tree (lane l with lane l + 8, then + 4, ...). */
+/* Lane l combined with lane l + LANES/2, then l + LANES/4, ... (rotations within halves). */
+#if LANES == 16
+#define HALVES(apply)                                                                          \
+    apply(((vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));                       \
+    apply(((vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));                       \
+    apply(((vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));                       \
+    apply(((vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}))
+#else
+#define HALVES(apply)                                                                          \
+    apply(((vi){4, 5, 6, 7, 0, 1, 2, 3}));                                                     \
+    apply(((vi){2, 3, 0, 1, 6, 7, 4, 5}));                                                     \
+    apply(((vi){1, 0, 3, 2, 5, 4, 7, 6}))
+#endif
+
+/* Sum and maximum of the lanes, by a fixed tree. */
 static inline float hsum(vf v) {
-    const vi s8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-    const vi s4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-    const vi s2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-    const vi s1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-    v += __builtin_shuffle(v, s8);
-    v += __builtin_shuffle(v, s4);
-    v += __builtin_shuffle(v, s2);
-    v += __builtin_shuffle(v, s1);
+#define ADD_HALF(idx) v += __builtin_shuffle(v, idx)
+    HALVES(ADD_HALF);
+#undef ADD_HALF
     return v[0];
 }
 
 static inline float hmax(vf v) {
-    const vi s8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-    const vi s4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-    const vi s2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-    const vi s1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-    vf w = __builtin_shuffle(v, s8);
-    v = vselect(v > w, v, w);
-    w = __builtin_shuffle(v, s4);
-    v = vselect(v > w, v, w);
-    w = __builtin_shuffle(v, s2);
-    v = vselect(v > w, v, w);
-    w = __builtin_shuffle(v, s1);
-    v = vselect(v > w, v, w);
+    vf w;
+#define MAX_HALF(idx) (w = __builtin_shuffle(v, idx), v = vselect(v > w, v, w))
+    HALVES(MAX_HALF);
+#undef MAX_HALF
     return v[0];
 }
 
@@ -166,7 +185,7 @@ static inline __attribute__((always_inline)) void run_keys(
     const int64_t key_stride = (int64_t)num_kv_heads * dim;
     const vf zero = {0};
     const vf neg_inf = zero - INFINITY;
-    const vi lane_ids = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const vi lane_ids = LANE_IDS;
     vf part[MAX_ROWS][LANES];
     vf kv[MAX_DIM / LANES];
     vf s[MAX_ROWS][ROUND / LANES];
@@ -183,7 +202,7 @@ static inline __attribute__((always_inline)) void run_keys(
                 blk++;
             }
         }
-        /* scores of the rows against the round's keys, 16 keys per vector */
+        /* scores of the rows against the round's keys, LANES keys per vector */
         for (int q16 = 0; q16 < groups; q16++) {
             const int j0 = q16 * LANES;
             const int nj = n - j0 < LANES ? n - j0 : LANES;
@@ -286,9 +305,9 @@ static inline __attribute__((always_inline)) void attend_unit(
                     group, num_kv_heads, CHUNKS, k_cache, v_cache, DTYPE, block_size, scale,     \
                     out);                                                                        \
     }
-SPECIALIZED(unit_d64_bf16, 4, DT_BF16)
-SPECIALIZED(unit_d64_f32, 4, DT_F32)
-SPECIALIZED(unit_d128_bf16, 8, DT_BF16)
+SPECIALIZED(unit_d64_bf16, 64 / LANES, DT_BF16)
+SPECIALIZED(unit_d64_f32, 64 / LANES, DT_F32)
+SPECIALIZED(unit_d128_bf16, 128 / LANES, DT_BF16)
 
 static void unit_any(const void *q, int q_dtype, const int64_t *q_rows, int members,
                      const int32_t *tables, int64_t table_stride, const int32_t *ctx, int shared,
