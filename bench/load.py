@@ -75,14 +75,26 @@ LLAMA_CPP_ZEN5_DECODE_TOK_S = 94  # llama.cpp's llama-server, same model, AMD Ze
 
 
 def cpu_model() -> str:
+    """The CPU's model name with its family and model numbers (one model name, "AMD EPYC",
+    covers several generations), and whether it has AVX-512."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model", "flags") and key not in fields:
+                    fields[key] = value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    if "model name" not in fields:
+        return platform.processor() or platform.machine()
+    name = fields["model name"]
+    if "cpu family" in fields and "model" in fields:
+        flags = set(fields.get("flags", "").split())
+        vec = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+        name += f" (family {fields['cpu family']}, model {fields['model']}, {vec})"
+    return name
 
 
 def llama_cpp_decode() -> tuple[float, str]:

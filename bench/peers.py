@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from svc_helpers import stop_process  # noqa: E402
 
-from bench.load import pct  # noqa: E402
+from bench.load import cpu_model, pct  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 PEERS_VENV = ROOT / "bench" / ".venv-peers"
@@ -489,11 +489,7 @@ def versions() -> dict:
         build = (r.stdout + r.stderr).strip().splitlines()
         build = " ".join(build[-2:]) if build else ""
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    cpu = ""
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
+    cpu = cpu_model()
     return {
         "docqa": git.stdout.strip(),
         "torch": torch.__version__,

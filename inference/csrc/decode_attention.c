@@ -40,6 +40,10 @@ typedef float vf __attribute__((vector_size(LANES * 4)));
 typedef int32_t vi __attribute__((vector_size(LANES * 4)));
 typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
 typedef uint16_t vh __attribute__((vector_size(LANES * 2)));
+/* the same for unaligned loads: one vector load each (a memcpy may be split into halves
+ * through the stack, which cost decode attention a third of its time on Zen 3) */
+typedef float vf_u __attribute__((vector_size(LANES * 4), aligned(4)));
+typedef uint32_t vu_u __attribute__((vector_size(LANES * 4), aligned(4)));
 #if LANES == 16
 #define LANE_IDS {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}
 #else
@@ -64,23 +68,22 @@ static inline vf load16(const void *base, int64_t index, int dtype) {
 static inline vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
 /* A K or V row of `chunks` * 16 values as float vectors, in the kernel's lane layout:
- * float32 rows in order (vector c holds values 16c .. 16c + 15); bf16 rows with each 32
- * values split into their even (vector 2c) and odd (vector 2c + 1) ones, which one 64-byte
- * load and a shift or a mask give. Dot products and weighted sums do not care how values map
+ * float32 rows in order (vector c holds values LANES * c .. LANES * c + LANES - 1); bf16 rows
+ * with each 2 * LANES values split into their even (vector 2c) and odd (vector 2c + 1) ones,
+ * which one vector load and a shift or a mask give. Dot products and weighted sums do not care how values map
  * to lanes as long as q and the output use the same map (to_layout, from_layout). */
 static inline void load_row(const void *base, int64_t index, int dtype, int chunks, vf *out) {
     if (dtype == DT_BF16) {
         const uint16_t *p = (const uint16_t *)base + index;
         for (int c = 0; c < chunks; c += 2) {
-            vu u;
-            memcpy(&u, p + c * LANES, sizeof u);
+            const vu u = *(const vu_u *)(p + c * LANES);
             vu even = u << 16, odd = u & 0xffff0000u;
             memcpy(&out[c], &even, sizeof even);
             memcpy(&out[c + 1], &odd, sizeof odd);
         }
     } else {
         const float *p = (const float *)base + index;
-        for (int c = 0; c < chunks; c++) memcpy(&out[c], p + c * LANES, sizeof(vf));
+        for (int c = 0; c < chunks; c++) out[c] = *(const vf_u *)(p + c * LANES);
     }
 }
 
