@@ -69,6 +69,14 @@ static inline __attribute__((always_inline)) void tile(
 #pragma GCC unroll 2
             for (int v = 0; v < PV; v++)
                 w[p * PV + v] = VLOAD(packed + p * pstride + (int64_t)kk * PANEL + v * VLANES);
+        /* tiles of many rows, which compute longer than their panels take to read, fetch
+         * the next panels' line for this k (a thread's panels are consecutive), so the
+         * weight streams from memory while they compute; tiles of a few rows stream at the
+         * memory's pace and are left to the hardware prefetcher */
+        if (MR >= 4)
+#pragma GCC unroll 4
+            for (int p = 0; p < NP; p++)
+                __builtin_prefetch(packed + (p + NP) * pstride + (int64_t)kk * PANEL);
 #pragma GCC unroll 12
         for (int r = 0; r < MR; r++) {
             vec xr = VBCAST(x + r * ldx + kk);
