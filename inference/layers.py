@@ -5,7 +5,9 @@ kernel, and with it the accumulation order, by the number of rows. Measured with
 on a Xeon with AMX, calls of 1 to 32 rows give bit-identical rows but calls of more switch
 kernels; on AMD Zen 4 a call of one row takes a matrix-vector path of its own (the down
 projection's rows differ, rarely, where a sum cancels) while calls of 2 to 128 rows agree. In
-float32 calls of up to 11 rows differ from larger ones. So every product runs in slabs of a
+float32 torch's calls of up to 11 rows differ from larger ones; float32 weights on CPU go
+through ``inference/csrc/linear.c`` instead (where it builds), whose rows are invariant by
+construction, and need neither slabs nor padding. Otherwise every product runs in slabs of a
 fixed number of rows, and a call, or a last slab, of fewer rows than the shape's ``min_rows``
 is padded to ``min_rows``: each row's result is then independent of how many rows share the
 call (prefill chunking, decode batching).
@@ -109,8 +111,10 @@ def _cancelling_input(rows: int, in_features: int, dtype, seed: int) -> torch.Te
 class Linear:
     """y = x @ w.T (+ b) with batch-invariant rows.
 
-    On CPU in bf16 the weight is packed once into oneDNN's blocked layout (F.linear would
-    repack it on every call, which dominates decode); products run in slabs of ``row_slab``
+    On CPU in float32 the weight is packed once into linear.c's panels (rows invariant by
+    construction: ``row_slab`` is then None). On CPU in bf16 it is packed once into oneDNN's
+    blocked layout where the CPU supports that (F.linear would repack it on every call, which
+    dominates decode); products run in slabs of ``row_slab``
     rows (or, with ``max_slab``, the largest measured slab up to it), calls of fewer than
     ``min_rows`` rows padded. The packed path gives the same bits as F.linear.
     """
