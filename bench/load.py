@@ -97,6 +97,13 @@ def cpu_model() -> str:
     return name
 
 
+def _machine_of(path: Path) -> str | None:
+    try:
+        return json.loads(path.read_text()).get("machine")
+    except (OSError, ValueError):
+        return None
+
+
 def llama_cpp_decode() -> tuple[float, str]:
     """llama-server's decode tokens/s one request at a time on this machine, from the newest
     bench/peers.py run here ((tokens - 1) / (end - first token), median), with where it came
@@ -342,11 +349,16 @@ def main() -> int:
         f"{goals['tpot_p99_over_1client_p50']:.2f}x (goal < 3)"
     )
     RESULTS.mkdir(exist_ok=True)
+    machine = f"{cpu_model()}, {os.cpu_count()} cores"
     out = RESULTS / f"load-{dt.date.today().isoformat()}.json"
+    n = 2
+    while out.exists() and _machine_of(out) != machine:  # a run elsewhere that day is kept
+        out = RESULTS / f"load-{dt.date.today().isoformat()}-{n}.json"
+        n += 1
     out.write_text(
         json.dumps(
             {
-                "machine": f"{cpu_model()}, {os.cpu_count()} cores",
+                "machine": machine,
                 "args": vars(args),
                 "levels": levels,
                 "goals": goals,
