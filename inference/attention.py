@@ -429,8 +429,10 @@ class CPUBackend(TorchBackend):
     blocks (``cpu_kernels.decode_groups``). A token's result is the same bits as a prompt token
     or a decode token, alone or in any batch.
 
-    Other dtypes and shapes: prompt tokens through the torch reference's tiles and decode tokens
-    through ``cpu_kernels.decode_attention`` where it takes the shape, else the torch path."""
+    Other dtypes (float32) and shapes: every token of the step, prompt and decode alike,
+    through ``cpu_kernels.decode_attention`` where it takes the shape (units of up to
+    ``16 // group`` tokens), else the torch path; there too a token's result is the same
+    bits as a prompt token or a decode token, alone or in any batch."""
 
     name = "cpu"
 
@@ -462,14 +464,18 @@ class CPUBackend(TorchBackend):
             shared,
         )
 
-    def _step_plan(self, meta: AttentionMetadata, device, bs: int, group: int):
-        """The bf16 kernel's tokens and groups for this step (built once, used by every
-        layer): prompt chunks first, cut into groups of consecutive tokens, then the decode
-        tokens grouped by shared leading blocks."""
-        plan = meta.scratch.get("cpu-bf16")
+    def _step_plan(self, meta: AttentionMetadata, device, bs: int, group: int, bf16: bool):
+        """A kernel's tokens and groups for this step (built once, used by every layer):
+        prompt chunks first, cut into groups of consecutive tokens, then the decode tokens
+        grouped by shared leading blocks. A prompt group shares its chunk's table: for the
+        bf16 kernel every key of the group (its last token's context), for the float32 one
+        the whole rounds of its first token's context."""
+        key = "cpu-bf16" if bf16 else "cpu-f32"
+        plan = meta.scratch.get(key)
         if plan is not None:
             return plan
-        per = max(1, self.k.BF16_MAX_ROWS // group)
+        max_rows = self.k.BF16_MAX_ROWS if bf16 else self.k.MAX_ROWS
+        per = max(1, max_rows // group)
         q_rows: list[int] = []
         seq_of: list[int] = []
         ctx: list[int] = []
@@ -486,11 +492,12 @@ class CPUBackend(TorchBackend):
                     seq_of.extend([i] * n)
                     ctx.extend(range(first + c + 1, first + c + n + 1))
                     starts.append(len(q_rows))
-                    shared.append(first + c + n)  # every key of the group, one table
+                    if bf16:
+                        shared.append(first + c + n)  # every key of the group
+                    else:
+                        shared.append((first + c + 1) // self.k.ROUND * self.k.ROUND)
             start += ql
-        d_rows, d_seqs, d_ctx, d_starts, d_shared = self._decode_tokens(
-            meta, bs, group, self.k.BF16_MAX_ROWS
-        )
+        d_rows, d_seqs, d_ctx, d_starts, d_shared = self._decode_tokens(meta, bs, group, max_rows)
         starts.extend(len(q_rows) + x for x in d_starts[1:])
         shared.extend(d_shared)
         q_rows += d_rows
@@ -504,25 +511,7 @@ class CPUBackend(TorchBackend):
             torch.tensor(starts, dtype=torch.int32),
             torch.tensor(shared, dtype=torch.int32),
         )
-        meta.scratch["cpu-bf16"] = plan
-        return plan
-
-    def _decode_plan(self, meta: AttentionMetadata, device, bs: int, group: int):
-        plan = meta.scratch.get("cpu-decode", False)
-        if plan is not False:
-            return plan
-        rows, seqs, ctx, starts, shared = self._decode_tokens(meta, bs, group, self.k.MAX_ROWS)
-        plan = None
-        if rows:
-            idx = torch.tensor(seqs, dtype=torch.int64, device=device)
-            plan = (
-                torch.tensor(rows, dtype=torch.int64, device=device),
-                meta.block_tables.index_select(0, idx),
-                torch.tensor(ctx, dtype=torch.int32, device=device),
-                torch.tensor(starts, dtype=torch.int32),
-                torch.tensor(shared, dtype=torch.int32),
-            )
-        meta.scratch["cpu-decode"] = plan
+        meta.scratch[key] = plan
         return plan
 
     @staticmethod
@@ -540,7 +529,7 @@ class CPUBackend(TorchBackend):
         nb, bs, kvh, _ = k_cache.shape
         group = num_heads // kvh
         if self.k.bf16_kernel_supports(q.dtype, k_cache.dtype, num_heads, kvh, d):
-            rows, tables, ctx, starts, shared = self._step_plan(meta, q.device, bs, group)
+            rows, tables, ctx, starts, shared = self._step_plan(meta, q.device, bs, group, True)
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             offsets = (
                 self._offsets(meta, rows, q.stride(0)),
@@ -551,27 +540,21 @@ class CPUBackend(TorchBackend):
             )
         if not self.k.decode_kernel_supports(q.dtype, k_cache.dtype, num_heads, kvh, d, bs):
             return paged_attention_reference(q, k_cache, v_cache, meta, scale)
+        rows, tables, ctx, starts, shared = self._step_plan(meta, q.device, bs, group, False)
+        o = self.k.decode_attention(
+            q,
+            rows,
+            k_cache,
+            v_cache,
+            tables,
+            ctx,
+            scale,
+            starts,
+            shared,
+            self._offsets(meta, rows, q.stride(0)),
+        )
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        plan = _tile_plan(meta, bs, group, q.device, decode=False)
-        if plan is not None:
-            o = _tile_attention(q, k_cache, v_cache, plan, scale)
-            out.index_copy_(0, plan.rows, o.to(out.dtype))
-        dec = self._decode_plan(meta, q.device, bs, group)
-        if dec is not None:
-            rows, tables, lens, starts, shared = dec
-            o = self.k.decode_attention(
-                q,
-                rows,
-                k_cache,
-                v_cache,
-                tables,
-                lens,
-                scale,
-                starts,
-                shared,
-                self._offsets(meta, rows, q.stride(0)),
-            )
-            out.index_copy_(0, rows, o.to(out.dtype))
+        out.index_copy_(0, rows, o.to(out.dtype))
         return out
 
 

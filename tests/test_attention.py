@@ -148,6 +148,22 @@ def test_bf16_kernel_gives_a_prompt_token_the_bits_of_a_decode_token():
         assert torch.equal(one[0], chunk[j]), f"token {j} (seed {SEED})"
 
 
+def test_float32_kernel_gives_a_prompt_token_the_bits_of_a_decode_token():
+    """The float32 path takes prompt tokens through the kernel too: each token of a chunk (in
+    groups of 5 consecutive tokens sharing the whole rounds of the first one's context) has
+    the same bits as the same query at the same position computed as a decode token, alone."""
+    rng = random.Random(SEED)
+    bs, heads, d = 16, 9, 64
+    sl, ql = 1100, 70
+    k_cache, v_cache, tables, meta = _step(rng, bs, 3, d, torch.float32, [(sl, ql, False, False)])
+    q = torch.randn(ql, heads, d, generator=torch.Generator().manual_seed(SEED))
+    chunk = _attention("cpu", q, k_cache, v_cache, meta, 0.125)
+    for j in range(ql):
+        spec = [(sl - ql + j + 1, 1, True, False)]
+        one = _run(q, k_cache, v_cache, tables, spec, bs, [j], "cpu")
+        assert torch.equal(one[0], chunk[j]), f"token {j} (seed {SEED})"
+
+
 def test_bf16_kernel_groups_do_not_change_outputs():
     """Decode tokens about one manual in groups of up to 32 query rows whose shared keys are
     read once, and prompt tokens in groups of consecutive tokens: the same bits as every token
