@@ -132,31 +132,19 @@ def test_bf16_kernel_is_about_as_close_as_the_reference(bs, heads, kvh, d):
     assert errs["cpu"] <= 1.5 * errs["torch"] + 1e-6, f"{errs} (seed {SEED})"
 
 
-def test_bf16_kernel_gives_a_prompt_token_the_bits_of_a_decode_token():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_gives_a_prompt_token_the_bits_of_a_decode_token(dtype):
     """One path for every token: each token of a prompt chunk has the same bits as the same
-    query at the same position computed as a decode token, alone."""
-    _bf16_kernel()
+    query at the same position computed as a decode token, alone (bf16: the bf16 kernel's
+    units of consecutive tokens; float32: the float32 kernel's units of 5 consecutive tokens
+    sharing the whole rounds of the first one's context)."""
+    if dtype == torch.bfloat16:
+        _bf16_kernel()
     rng = random.Random(SEED)
     bs, heads, d = 16, 9, 64
     sl, ql = 1100, 70
-    k_cache, v_cache, tables, meta = _step(rng, bs, 3, d, torch.bfloat16, [(sl, ql, False, False)])
-    q = torch.randn(ql, heads, d, generator=torch.Generator().manual_seed(SEED)).bfloat16()
-    chunk = _attention("cpu", q, k_cache, v_cache, meta, 0.125)
-    for j in range(ql):
-        spec = [(sl - ql + j + 1, 1, True, False)]
-        one = _run(q, k_cache, v_cache, tables, spec, bs, [j], "cpu")
-        assert torch.equal(one[0], chunk[j]), f"token {j} (seed {SEED})"
-
-
-def test_float32_kernel_gives_a_prompt_token_the_bits_of_a_decode_token():
-    """The float32 path takes prompt tokens through the kernel too: each token of a chunk (in
-    groups of 5 consecutive tokens sharing the whole rounds of the first one's context) has
-    the same bits as the same query at the same position computed as a decode token, alone."""
-    rng = random.Random(SEED)
-    bs, heads, d = 16, 9, 64
-    sl, ql = 1100, 70
-    k_cache, v_cache, tables, meta = _step(rng, bs, 3, d, torch.float32, [(sl, ql, False, False)])
-    q = torch.randn(ql, heads, d, generator=torch.Generator().manual_seed(SEED))
+    k_cache, v_cache, tables, meta = _step(rng, bs, 3, d, dtype, [(sl, ql, False, False)])
+    q = torch.randn(ql, heads, d, generator=torch.Generator().manual_seed(SEED)).to(dtype)
     chunk = _attention("cpu", q, k_cache, v_cache, meta, 0.125)
     for j in range(ql):
         spec = [(sl - ql + j + 1, 1, True, False)]
