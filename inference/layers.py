@@ -137,6 +137,7 @@ class Linear:
             and cpu_kernels.linear_f32_panel()
         ):
             self._panels = cpu_kernels.pack_linear_f32(weight)
+            self.weight = None  # the panels replace it (not held twice)
             self.row_slab = None  # invariant by construction: no slabs, no padding
             self.min_rows = 1
             return
@@ -156,6 +157,10 @@ class Linear:
                     self.row_slab = slab
                     break
                 slab //= 2
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The tensors this layer keeps (for the model's weight bytes)."""
+        return [t for t in (self.weight, self._panels, self._packed, self.bias) if t is not None]
 
     @torch.inference_mode()
     def _probe(self, slab: int, floor: int) -> int:

@@ -221,17 +221,11 @@ class LlamaModel:
     def weight_bytes(self) -> int:
         seen: set[int] = set()
         total = 0
-        tensors = [self.embed, self.lm_head.weight, self.final_norm]
+        tensors = [self.embed, *self.lm_head.held_tensors(), self.final_norm]
         for lw in self.layers:
-            tensors += [
-                lw.input_norm,
-                lw.qkv.weight,
-                lw.qkv.bias,
-                lw.o_proj.weight,
-                lw.post_norm,
-                lw.gate_up.weight,
-                lw.down.weight,
-            ]
+            tensors += [lw.input_norm, lw.post_norm]
+            for lin in (lw.qkv, lw.o_proj, lw.gate_up, lw.down):
+                tensors += lin.held_tensors()
         for t in tensors:
             if t is not None and t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
