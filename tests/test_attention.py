@@ -165,7 +165,7 @@ def test_bf16_kernel_groups_do_not_change_outputs():
     n = sum(s[1] for s in specs)
     q = torch.randn(n, 9, d, generator=torch.Generator().manual_seed(SEED)).bfloat16()
     backend = CPUBackend()
-    rows, bt, ctx, starts, shared = backend._step_plan(meta, "cpu", bs, 3)
+    rows, bt, ctx, starts, shared = backend._step_plan(meta, "cpu", bs, 3, bf16=True)
     sizes = (starts[1:] - starts[:-1]).tolist()
     assert max(sizes) == 10 and sum(sizes) == n  # 32 rows // 3 rows per token
     assert max(shared.tolist()) >= 960
