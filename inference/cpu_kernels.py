@@ -31,6 +31,7 @@ log = logging.getLogger("docqa.engine")
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
 LINEAR_SOURCE = Path(__file__).parent / "csrc" / "linear.c"
+AMX_SOURCE = Path(__file__).parent / "csrc" / "linear_amx.c"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # the kernel's limits (decode_attention.c): head_dim a multiple of 32 up to 256, at most 16
@@ -101,6 +102,11 @@ def decode_attention_library() -> ctypes.CDLL:
     fn.restype = i
     lib.docqa_attention_bf16_dims.argtypes = []
     lib.docqa_attention_bf16_dims.restype = i
+    lib.docqa_attention_amx_init.argtypes = []
+    lib.docqa_attention_amx_init.restype = i
+    # bf16 products on the AMX tile unit where the CPU, the build and Linux allow it (every
+    # bf16 token of the process then takes the same path: -1 keeps the vector path)
+    lib.amx = lib.docqa_attention_amx_init() == 0
     return lib
 
 
@@ -187,6 +193,82 @@ def linear_f32(
     )
     if rc != 0:
         raise ValueError(f"float32 linear kernel: bad sizes {tuple(x.shape)} x {out_features}")
+    return y
+
+
+@functools.cache
+def amx_library() -> ctypes.CDLL:
+    """The compiled bf16 AMX linear kernel (built on first use); raises KernelBuildError."""
+    lib = ctypes.CDLL(str(_build(AMX_SOURCE)))
+    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    fn = lib.docqa_linear_bf16_amx
+    fn.argtypes = [p, i, i64, p, i, i, p, p, i64, i]
+    fn.restype = i
+    for name in ("docqa_amx_init", "docqa_linear_bf16_amx_available"):
+        getattr(lib, name).argtypes = []
+        getattr(lib, name).restype = i
+    return lib
+
+
+@functools.cache
+def linear_bf16_amx_available() -> bool:
+    """Whether bf16 linear layers run on the AMX tile unit here: a CPU with AMX-BF16, a build
+    that has it, and the operating system's leave to use the tile state."""
+    if os.environ.get("DOCQA_CPU_KERNELS", "1") == "0":
+        return False
+    try:
+        lib = amx_library()
+    except (KernelBuildError, OSError, subprocess.SubprocessError) as e:
+        log.warning("AMX linear kernel unavailable, using oneDNN's: %s", e)
+        return False
+    if not lib.docqa_linear_bf16_amx_available():
+        return False
+    if lib.docqa_amx_init() != 0:
+        log.warning("the kernel refused AMX tile state to this process: using oneDNN's linears")
+        return False
+    return True
+
+
+def pack_linear_bf16_amx(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] bf16 (in a multiple of 32) -> tiles [ceil(out / 16), in / 32, 16, 16, 2]
+    (linear_amx.c): tile (nb, kb) row p holds, for feature j, inputs 32 kb + 2p and 32 kb + 2p + 1
+    of feature 16 nb + j; features past out zero."""
+    n, k = weight.shape
+    assert k % 32 == 0, "the AMX kernel takes inputs in whole blocks of 32"
+    nb = -(-n // 16)
+    padded = weight.new_zeros(nb * 16, k)
+    padded[:n] = weight
+    return padded.view(nb, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def linear_bf16_amx(
+    x: torch.Tensor,  # [m, in] bf16, rows dense (may be strided)
+    packed: torch.Tensor,  # pack_linear_bf16_amx(weight)
+    out_features: int,
+    bias: torch.Tensor | None = None,  # [out] float32, contiguous
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) in bf16 on the tile unit, each output summed over the inputs in
+    blocks of 32 in order: a row's bits never depend on the other rows of the call."""
+    assert x.dtype == torch.bfloat16 and x.dim() == 2
+    m, k = x.shape
+    if x.stride(1) != 1 or x.stride(0) < k:
+        x = x.contiguous()
+    assert packed.shape[1] * 32 == k and packed.is_contiguous()
+    y = x.new_empty(m, out_features)
+    rc = amx_library().docqa_linear_bf16_amx(
+        x.data_ptr(),
+        m,
+        x.stride(0),
+        packed.data_ptr(),
+        out_features,
+        k,
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        out_features,
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(f"AMX linear kernel: bad sizes {tuple(x.shape)} x {out_features}")
     return y
 
 

@@ -111,12 +111,13 @@ def _cancelling_input(rows: int, in_features: int, dtype, seed: int) -> torch.Te
 class Linear:
     """y = x @ w.T (+ b) with batch-invariant rows.
 
-    On CPU in float32 the weight is packed once into linear.c's panels (rows invariant by
-    construction: ``row_slab`` is then None). On CPU in bf16 it is packed once into oneDNN's
-    blocked layout where the CPU supports that (F.linear would repack it on every call, which
-    dominates decode); products run in slabs of ``row_slab``
-    rows (or, with ``max_slab``, the largest measured slab up to it), calls of fewer than
-    ``min_rows`` rows padded. The packed path gives the same bits as F.linear.
+    On CPU in float32 the weight is packed once into linear.c's panels, and in bf16 on a CPU
+    with AMX into linear_amx.c's tiles (rows invariant by construction at any call size:
+    ``row_slab`` is then None). Other CPUs pack bf16 weights once into oneDNN's blocked layout
+    where the CPU supports that (F.linear would repack it on every call, which dominates
+    decode); products run in slabs of ``row_slab`` rows (or, with ``max_slab``, the largest
+    measured slab up to it), calls of fewer than ``min_rows`` rows padded. The oneDNN path
+    gives the same bits as F.linear.
     """
 
     def __init__(
@@ -131,13 +132,22 @@ class Linear:
         self.out_features = weight.shape[0]
         self._packed = None
         self._panels = None  # the float32 kernel's packed weight (cpu_kernels.linear_f32)
-        if (
-            weight.device.type == "cpu"
-            and weight.dtype == torch.float32
-            and cpu_kernels.linear_f32_panel()
-        ):
+        self._tiles = None  # the AMX kernel's packed weight (cpu_kernels.linear_bf16_amx)
+        self._bias_f32 = None
+        cpu = weight.device.type == "cpu"
+        if cpu and weight.dtype == torch.float32 and cpu_kernels.linear_f32_panel():
             self._panels = cpu_kernels.pack_linear_f32(weight)
-            self.weight = None  # the panels replace it (not held twice)
+        elif (
+            cpu
+            and weight.dtype == torch.bfloat16
+            and weight.shape[1] % 32 == 0
+            and cpu_kernels.linear_bf16_amx_available()
+        ):
+            self._tiles = cpu_kernels.pack_linear_bf16_amx(weight)
+            if bias is not None:
+                self._bias_f32 = bias.float().contiguous()
+        if self._panels is not None or self._tiles is not None:
+            self.weight = None  # the packed copy replaces it (not held twice)
             self.row_slab = None  # invariant by construction: no slabs, no padding
             self.min_rows = 1
             return
@@ -160,7 +170,8 @@ class Linear:
 
     def held_tensors(self) -> list[torch.Tensor]:
         """The tensors this layer keeps (for the model's weight bytes)."""
-        return [t for t in (self.weight, self._panels, self._packed, self.bias) if t is not None]
+        held = (self.weight, self._panels, self._tiles, self._packed, self.bias, self._bias_f32)
+        return [t for t in held if t is not None]
 
     @torch.inference_mode()
     def _probe(self, slab: int, floor: int) -> int:
@@ -207,6 +218,8 @@ class Linear:
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self._panels is not None:
             return cpu_kernels.linear_f32(x, self._panels, self.out_features, self.bias)
+        if self._tiles is not None:
+            return cpu_kernels.linear_bf16_amx(x, self._tiles, self.out_features, self._bias_f32)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -111,6 +111,25 @@ def _bf16_kernel():
         pytest.skip("this CPU has no AVX512-BF16 (the bf16 kernel is not built for it)")
 
 
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def test_bf16_products_take_the_tile_unit_where_the_cpu_has_one():
+    """On a CPU with AMX-BF16 the bf16 attention kernel and linear layers run on the tile
+    unit (so the bf16 kernel tests here check that path); elsewhere both keep their vector and
+    oneDNN paths."""
+    if os.environ.get("DOCQA_CPU_KERNELS", "1") == "0":
+        pytest.skip("CPU kernels turned off")
+    amx = "amx_bf16" in _cpu_flags() and "avx512_bf16" in _cpu_flags()
+    assert cpu_kernels.decode_attention_library().amx is amx
+    assert cpu_kernels.linear_bf16_amx_available() is amx
+
+
 @pytest.mark.parametrize("bs", [8, 16, 64, 128])
 @pytest.mark.parametrize("heads,kvh", [(4, 4), (9, 3), (32, 1)])
 @pytest.mark.parametrize("d", [64, 128])

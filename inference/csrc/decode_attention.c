@@ -431,24 +431,79 @@ static inline void transpose16(__m512i r[16]) {
     }
 }
 
-/* Keys [from, to) of one table for rows [lo, hi); from is a multiple of ROUND. DIM is 64 or
- * 128 (a compile-time constant in each caller). */
-static inline __attribute__((always_inline)) void bf_run_keys(
-    BfRows *st, int lo, int hi, const uint16_t *k_cache, const uint16_t *v_cache,
-    const int32_t *table, int from, int to, int kv_head, int num_kv_heads, const int DIM,
-    int block_size, float scale) {
-    const int CH = DIM / 32;   /* 64-byte chunks of a K/V row */
-    const int NP = DIM / 2;    /* bf16 pairs of a row */
-    const int NV = DIM / 16;   /* output vectors of a row */
-    const int64_t key_stride = (int64_t)num_kv_heads * DIM;
-    __m512i kt[BF_MAX_DIM / 2][ROUND / 16];
-    __m512i vp[ROUND / 2][BF_MAX_DIM / 16];
-    uint32_t pw[BF_MAX_ROWS][ROUND / 2];
-    int64_t at[2][ROUND]; /* element offset of each key's row: this round, the next */
+/* The round's K rows transposed into pairs by keys (kt[p][kb] lane j: pair p of key
+ * 16 kb + j) and its V rows interleaved in pairs of consecutive keys (vp[k2][v]: keys 2 k2 and
+ * 2 k2 + 1 of 16 dims, v = 2c + h, lane 4L + e holding dim 32c + 8L + 4h + e); keys at or past
+ * n are zero. */
+static inline __attribute__((always_inline)) void bf_stage(
+    __m512i kt[][ROUND / 16], __m512i vp[][BF_MAX_DIM / 16], const uint16_t *k_cache,
+    const uint16_t *v_cache, const int64_t *row_at, int n, const int DIM) {
+    const int CH = DIM / 32; /* 64-byte chunks of a K/V row */
+    for (int kb = 0; kb < ROUND / 16; kb++)
+        for (int c = 0; c < CH; c++) {
+            __m512i r[16];
+            for (int j = 0; j < 16; j++) {
+                const int key = kb * 16 + j;
+                r[j] = key < n ? _mm512_loadu_si512(k_cache + row_at[key] + c * 32)
+                               : _mm512_setzero_si512();
+            }
+            transpose16(r);
+            for (int p = 0; p < 16; p++) kt[c * 16 + p][kb] = r[p];
+        }
+    for (int k2 = 0; k2 < ROUND / 2; k2++) {
+        const int a = 2 * k2, b = 2 * k2 + 1;
+        for (int c = 0; c < CH; c++) {
+            const __m512i va = a < n ? _mm512_loadu_si512(v_cache + row_at[a] + c * 32)
+                                     : _mm512_setzero_si512();
+            const __m512i vb = b < n ? _mm512_loadu_si512(v_cache + row_at[b] + c * 32)
+                                     : _mm512_setzero_si512();
+            vp[k2][2 * c] = _mm512_unpacklo_epi16(va, vb);
+            vp[k2][2 * c + 1] = _mm512_unpackhi_epi16(va, vb);
+        }
+    }
+}
+
+/* One row's online-softmax step over a round: its 64 raw scores s (16 per vector) are scaled
+ * and masked past the row's context, the running max, sum and output rescaled, and the
+ * weights written to pw as bf16 pairs of consecutive keys. */
+static inline __attribute__((always_inline)) void bf_softmax_row(BfRows *st, int row,
+                                                                  __m512 s[ROUND / 16], int r0,
+                                                                  float scale, uint32_t *pw,
+                                                                  const int NV) {
     const __m512i lane_ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
-    int blk = from / block_size, in_blk = from % block_size;
-    /* rows of keys [r, r + n): from the running block position */
+    const int valid_n = st->ctx[row] - r0; /* keys of the round the row sees */
+    vf mx = (vf)neg_inf;
+    for (int kb = 0; kb < ROUND / 16; kb++) {
+        const __mmask16 ok =
+            _mm512_cmplt_epi32_mask(lane_ids, _mm512_set1_epi32(valid_n - kb * 16));
+        s[kb] = _mm512_mask_mul_ps(neg_inf, ok, s[kb], _mm512_set1_ps(scale));
+        mx = (vf)_mm512_max_ps((__m512)mx, s[kb]);
+    }
+    const float bm = hmax(mx);
+    const float mn = st->m[row] > bm ? st->m[row] : bm;
+    vf sum = {0};
+    for (int kb = 0; kb < ROUND / 16; kb++) {
+        const __mmask16 ok =
+            _mm512_cmplt_epi32_mask(lane_ids, _mm512_set1_epi32(valid_n - kb * 16));
+        vf e = exp_nonpositive((vf)s[kb] - mn);
+        s[kb] = _mm512_maskz_mov_ps(ok, (__m512)e);
+        sum += (vf)s[kb];
+    }
+    const float alpha =
+        st->m[row] == mn ? 1.0f : exp_nonpositive((vf){0} + (st->m[row] - mn))[0];
+    st->l[row] = st->l[row] * alpha + hsum(sum);
+    st->m[row] = mn;
+    if (alpha != 1.0f)
+        for (int v = 0; v < NV; v++)
+            st->acc[row][v] = _mm512_mul_ps(st->acc[row][v], _mm512_set1_ps(alpha));
+    for (int kb = 0; kb < ROUND / 16; kb += 2) {
+        const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(s[kb + 1], s[kb]);
+        _mm512_storeu_si512(&pw[kb * 8], w);
+    }
+}
+
+/* element offsets of keys [r, r + n) of a table, from the running block position */
 #define BF_ROWS_OF(dst, n)                                                                     \
     for (int j = 0; j < (n); j++) {                                                            \
         (dst)[j] = ((int64_t)table[blk] * block_size + in_blk) * key_stride +                 \
@@ -458,46 +513,41 @@ static inline __attribute__((always_inline)) void bf_run_keys(
             blk++;                                                                             \
         }                                                                                      \
     }
+
+/* the pool is far larger than the caches and a context's blocks lie anywhere in it: fetch
+ * this round's V rows and the next round's K rows while this one computes */
+#define BF_PREFETCH_ROUND()                                                                    \
+    if (r0 + ROUND < to) {                                                                     \
+        const int n2 = to - r0 - ROUND < ROUND ? to - r0 - ROUND : ROUND;                      \
+        BF_ROWS_OF(at[cur ^ 1], n2);                                                           \
+        for (int j = 0; j < n2; j++)                                                           \
+            for (int c = 0; c < DIM * 2; c += 64)                                              \
+                _mm_prefetch((const char *)(k_cache + at[cur ^ 1][j]) + c, _MM_HINT_T1);       \
+    }                                                                                          \
+    for (int j = 0; j < n; j++)                                                                \
+        for (int c = 0; c < DIM * 2; c += 64)                                                  \
+            _mm_prefetch((const char *)(v_cache + row_at[j]) + c, _MM_HINT_T1);
+
+/* Keys [from, to) of one table for rows [lo, hi); from is a multiple of ROUND. DIM is 64 or
+ * 128 (a compile-time constant in each caller). */
+static inline __attribute__((always_inline)) void bf_run_keys(
+    BfRows *st, int lo, int hi, const uint16_t *k_cache, const uint16_t *v_cache,
+    const int32_t *table, int from, int to, int kv_head, int num_kv_heads, const int DIM,
+    int block_size, float scale) {
+    const int NP = DIM / 2;    /* bf16 pairs of a row */
+    const int NV = DIM / 16;   /* output vectors of a row */
+    const int64_t key_stride = (int64_t)num_kv_heads * DIM;
+    __m512i kt[BF_MAX_DIM / 2][ROUND / 16];
+    __m512i vp[ROUND / 2][BF_MAX_DIM / 16];
+    uint32_t pw[BF_MAX_ROWS][ROUND / 2];
+    int64_t at[2][ROUND]; /* element offset of each key's row: this round, the next */
+    int blk = from / block_size, in_blk = from % block_size;
     BF_ROWS_OF(at[0], to - from < ROUND ? to - from : ROUND);
     for (int r0 = from, cur = 0; r0 < to; r0 += ROUND, cur ^= 1) {
         const int n = to - r0 < ROUND ? to - r0 : ROUND;
         const int64_t *row_at = at[cur];
-        /* the pool is far larger than the caches and a context's blocks lie anywhere in it:
-         * fetch this round's V rows and the next round's K rows while this one computes */
-        if (r0 + ROUND < to) {
-            const int n2 = to - r0 - ROUND < ROUND ? to - r0 - ROUND : ROUND;
-            BF_ROWS_OF(at[cur ^ 1], n2);
-            for (int j = 0; j < n2; j++)
-                for (int c = 0; c < DIM * 2; c += 64)
-                    _mm_prefetch((const char *)(k_cache + at[cur ^ 1][j]) + c, _MM_HINT_T1);
-        }
-        for (int j = 0; j < n; j++)
-            for (int c = 0; c < DIM * 2; c += 64)
-                _mm_prefetch((const char *)(v_cache + row_at[j]) + c, _MM_HINT_T1);
-        /* K: pairs by keys */
-        for (int kb = 0; kb < ROUND / 16; kb++)
-            for (int c = 0; c < CH; c++) {
-                __m512i r[16];
-                for (int j = 0; j < 16; j++) {
-                    const int key = kb * 16 + j;
-                    r[j] = key < n ? _mm512_loadu_si512(k_cache + row_at[key] + c * 32)
-                                   : _mm512_setzero_si512();
-                }
-                transpose16(r);
-                for (int p = 0; p < 16; p++) kt[c * 16 + p][kb] = r[p];
-            }
-        /* V: consecutive keys interleaved */
-        for (int k2 = 0; k2 < ROUND / 2; k2++) {
-            const int a = 2 * k2, b = 2 * k2 + 1;
-            for (int c = 0; c < CH; c++) {
-                const __m512i va = a < n ? _mm512_loadu_si512(v_cache + row_at[a] + c * 32)
-                                         : _mm512_setzero_si512();
-                const __m512i vb = b < n ? _mm512_loadu_si512(v_cache + row_at[b] + c * 32)
-                                         : _mm512_setzero_si512();
-                vp[k2][2 * c] = _mm512_unpacklo_epi16(va, vb);
-                vp[k2][2 * c + 1] = _mm512_unpackhi_epi16(va, vb);
-            }
-        }
+        BF_PREFETCH_ROUND();
+        bf_stage(kt, vp, k_cache, v_cache, row_at, n, DIM);
         for (int g0 = lo; g0 < hi; g0 += 4) {
             int g[4];
             for (int i = 0; i < 4; i++) g[i] = g0 + i < hi ? g0 + i : hi - 1;
@@ -514,38 +564,8 @@ static inline __attribute__((always_inline)) void bf_run_keys(
                     for (int i = 0; i < 4; i++) s[i][kb] = _mm512_dpbf16_ps(s[i][kb], kv, qb[i]);
                 }
             }
-            for (int i = 0; i < 4 && g0 + i < hi; i++) {
-                const int row = g0 + i;
-                const int valid_n = st->ctx[row] - r0; /* keys of the round the row sees */
-                vf mx = (vf)neg_inf;
-                for (int kb = 0; kb < ROUND / 16; kb++) {
-                    const __mmask16 ok = _mm512_cmplt_epi32_mask(
-                        lane_ids, _mm512_set1_epi32(valid_n - kb * 16));
-                    s[i][kb] = _mm512_mask_mul_ps(neg_inf, ok, s[i][kb], _mm512_set1_ps(scale));
-                    mx = (vf)_mm512_max_ps((__m512)mx, s[i][kb]);
-                }
-                const float bm = hmax(mx);
-                const float mn = st->m[row] > bm ? st->m[row] : bm;
-                vf sum = {0};
-                for (int kb = 0; kb < ROUND / 16; kb++) {
-                    const __mmask16 ok = _mm512_cmplt_epi32_mask(
-                        lane_ids, _mm512_set1_epi32(valid_n - kb * 16));
-                    vf e = exp_nonpositive((vf)s[i][kb] - mn);
-                    s[i][kb] = _mm512_maskz_mov_ps(ok, (__m512)e);
-                    sum += (vf)s[i][kb];
-                }
-                const float alpha =
-                    st->m[row] == mn ? 1.0f : exp_nonpositive((vf){0} + (st->m[row] - mn))[0];
-                st->l[row] = st->l[row] * alpha + hsum(sum);
-                st->m[row] = mn;
-                if (alpha != 1.0f)
-                    for (int v = 0; v < NV; v++)
-                        st->acc[row][v] = _mm512_mul_ps(st->acc[row][v], _mm512_set1_ps(alpha));
-                for (int kb = 0; kb < ROUND / 16; kb += 2) {
-                    const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(s[i][kb + 1], s[i][kb]);
-                    _mm512_storeu_si512(&pw[row][kb * 8], w);
-                }
-            }
+            for (int i = 0; i < 4 && g0 + i < hi; i++)
+                bf_softmax_row(st, g0 + i, s[i], r0, scale, pw[g0 + i], NV);
             /* weighted values: 4 rows x 4 output vectors at a time */
             for (int v0 = 0; v0 < NV; v0 += 4) {
                 __m512 a[4][4];
@@ -566,8 +586,131 @@ static inline __attribute__((always_inline)) void bf_run_keys(
             }
         }
     }
-#undef BF_ROWS_OF
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define BF_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static int amx_ok; /* docqa_attention_amx_init succeeded: every bf16 token takes the tiles */
+
+/* Asks Linux for the AMX tile state; from then on every bf16 token's products run on the
+ * tile unit. Returns 0 when they do. */
+int docqa_attention_amx_init(void) {
+    unsigned long bits = 0;
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) ||
+        syscall(SYS_arch_prctl, 0x1022 /* ARCH_GET_XCOMP_PERM */, &bits) ||
+        !(bits & (1ul << 18)))
+        return -1;
+    amx_ok = 1;
+    return 0;
+}
+
+static void bf_configure_tiles(void) {
+    struct {
+        uint8_t palette_id, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } __attribute__((packed)) cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* bf_run_keys on the tile unit: the same staging and softmax; scores and weighted values are
+ * tile products (16 rows a tile, each row's result from its own row alone), the round's values
+ * summed in a tile from zero and then added to the row's rescaled output. qt: the unit's
+ * queries, row r at qt + r * DIM, zero past its rows (tiles read 16 rows from lo). */
+static inline __attribute__((always_inline)) void bf_run_keys_amx(
+    BfRows *st, int lo, int hi, const uint16_t *qt, const uint16_t *k_cache,
+    const uint16_t *v_cache, const int32_t *table, int from, int to, int kv_head,
+    int num_kv_heads, const int DIM, int block_size, float scale) {
+    const int CH = DIM / 32;
+    const int NV = DIM / 16;
+    const int64_t key_stride = (int64_t)num_kv_heads * DIM;
+    __m512i kt[BF_MAX_DIM / 2][ROUND / 16];
+    __m512i vp[ROUND / 2][BF_MAX_DIM / 16];
+    uint32_t pw[BF_MAX_ROWS + 16][ROUND / 2] __attribute__((aligned(64)));
+    float sc[16][ROUND] __attribute__((aligned(64)));
+    float ov[16][16] __attribute__((aligned(64)));
+    int64_t at[2][ROUND];
+    memset(pw, 0, sizeof pw);
+    int blk = from / block_size, in_blk = from % block_size;
+    BF_ROWS_OF(at[0], to - from < ROUND ? to - from : ROUND);
+    for (int r0 = from, cur = 0; r0 < to; r0 += ROUND, cur ^= 1) {
+        const int n = to - r0 < ROUND ? to - r0 : ROUND;
+        const int64_t *row_at = at[cur];
+        BF_PREFETCH_ROUND();
+        bf_stage(kt, vp, k_cache, v_cache, row_at, n, DIM);
+        for (int b0 = lo; b0 < hi; b0 += 16) {
+            const int rows = hi - b0 < 16 ? hi - b0 : 16;
+            /* scores: tile kb holds keys 16 kb .. 16 kb + 15, summed over the head's 32-dim
+             * chunks in order */
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int c = 0; c < CH; c++) {
+                _tile_loadd(4, qt + (int64_t)b0 * DIM + c * 32, DIM * 2);
+                _tile_loadd(6, &kt[c * 16][0], sizeof(kt[0]));
+                _tile_loadd(7, &kt[c * 16][1], sizeof(kt[0]));
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_loadd(6, &kt[c * 16][2], sizeof(kt[0]));
+                _tile_loadd(7, &kt[c * 16][3], sizeof(kt[0]));
+                _tile_dpbf16ps(2, 4, 6);
+                _tile_dpbf16ps(3, 4, 7);
+            }
+            _tile_stored(0, &sc[0][0], sizeof(sc[0]));
+            _tile_stored(1, &sc[0][16], sizeof(sc[0]));
+            _tile_stored(2, &sc[0][32], sizeof(sc[0]));
+            _tile_stored(3, &sc[0][48], sizeof(sc[0]));
+            for (int i = 0; i < rows; i++) {
+                __m512 s[ROUND / 16];
+                for (int kb = 0; kb < ROUND / 16; kb++) s[kb] = _mm512_load_ps(&sc[i][16 * kb]);
+                bf_softmax_row(st, b0 + i, s, r0, scale, pw[b0 + i], NV);
+            }
+            /* weighted values, four 16-dim vectors at a time: the round's two 32-key halves
+             * summed in order from zero, then added to the outputs */
+            for (int v0 = 0; v0 < NV; v0 += 4) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int h = 0; h < 2; h++) {
+                    _tile_loadd(4, &pw[b0][16 * h], sizeof(pw[0]));
+                    _tile_loadd(6, &vp[16 * h][v0], sizeof(vp[0]));
+                    _tile_loadd(7, &vp[16 * h][v0 + 1], sizeof(vp[0]));
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_loadd(6, &vp[16 * h][v0 + 2], sizeof(vp[0]));
+                    _tile_loadd(7, &vp[16 * h][v0 + 3], sizeof(vp[0]));
+                    _tile_dpbf16ps(2, 4, 6);
+                    _tile_dpbf16ps(3, 4, 7);
+                }
+#define BF_ADD_TILE(t)                                                                         \
+    _tile_stored(t, &ov[0][0], sizeof(ov[0]));                                                 \
+    for (int i = 0; i < rows; i++)                                                             \
+        st->acc[b0 + i][v0 + t] = _mm512_add_ps(st->acc[b0 + i][v0 + t], _mm512_load_ps(ov[i]));
+                BF_ADD_TILE(0)
+                BF_ADD_TILE(1)
+                BF_ADD_TILE(2)
+                BF_ADD_TILE(3)
+#undef BF_ADD_TILE
+            }
+        }
+    }
+}
+#else
+int docqa_attention_amx_init(void) { return -1; }
+#endif
+#undef BF_ROWS_OF
+#undef BF_PREFETCH_ROUND
 
 static inline __attribute__((always_inline)) void bf_unit(
     const uint16_t *q, const int64_t *q_rows, int members, const int32_t *tables,
@@ -586,14 +729,31 @@ static inline __attribute__((always_inline)) void bf_unit(
             st.l[r] = 0.0f;
             for (int v = 0; v < NV; v++) st.acc[r][v] = _mm512_setzero_ps();
         }
-    if (shared > 0)
-        bf_run_keys(&st, 0, rows, k_cache, v_cache, tables, 0, shared, kv_head, num_kv_heads,
-                    DIM, block_size, scale);
-    for (int i = 0; i < members; i++)
-        if (ctx[i] > shared)
-            bf_run_keys(&st, i * group, (i + 1) * group, k_cache, v_cache,
-                        tables + i * table_stride, shared, ctx[i], kv_head, num_kv_heads, DIM,
-                        block_size, scale);
+#ifdef BF_AMX
+    if (amx_ok) {
+        uint16_t qt[(BF_MAX_ROWS + 16) * BF_MAX_DIM] __attribute__((aligned(64)));
+        memset(qt, 0, sizeof(uint16_t) * (rows + 16) * DIM);
+        for (int r = 0; r < rows; r++) memcpy(qt + r * DIM, st.q[r], DIM * 2);
+        if (shared > 0)
+            bf_run_keys_amx(&st, 0, rows, qt, k_cache, v_cache, tables, 0, shared, kv_head,
+                            num_kv_heads, DIM, block_size, scale);
+        for (int i = 0; i < members; i++)
+            if (ctx[i] > shared)
+                bf_run_keys_amx(&st, i * group, (i + 1) * group, qt, k_cache, v_cache,
+                                tables + i * table_stride, shared, ctx[i], kv_head,
+                                num_kv_heads, DIM, block_size, scale);
+    } else
+#endif
+    {
+        if (shared > 0)
+            bf_run_keys(&st, 0, rows, k_cache, v_cache, tables, 0, shared, kv_head,
+                        num_kv_heads, DIM, block_size, scale);
+        for (int i = 0; i < members; i++)
+            if (ctx[i] > shared)
+                bf_run_keys(&st, i * group, (i + 1) * group, k_cache, v_cache,
+                            tables + i * table_stride, shared, ctx[i], kv_head, num_kv_heads,
+                            DIM, block_size, scale);
+    }
     /* output vector 2c + h, lane 4L + e holds dim 32c + 8L + 4h + e (the V interleave) */
     for (int r = 0; r < rows; r++) {
         const int i = r / group, g = r % group;
@@ -622,6 +782,8 @@ static inline __attribute__((always_inline)) void bf_unit(
     }
 BF_SPECIALIZED(bf_unit_d64, 64)
 BF_SPECIALIZED(bf_unit_d128, 128)
+#else
+int docqa_attention_amx_init(void) { return -1; }
 #endif
 
 /* Which bf16 head sizes docqa_attention_bf16 takes on this build (0: none, no AVX512-BF16). */
@@ -660,22 +822,31 @@ int docqa_attention_bf16(const void *q, const int64_t *q_rows, int num_tokens,
                 if (ctx_lens[t + i] > group_shared[u]) return -1;
     }
     const int units = num_groups * num_kv_heads;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads > 0 ? num_threads : 1)
-    for (int u = 0; u < units; u++) {
-        const int grp = u / num_kv_heads, h = u % num_kv_heads;
-        const int t = group_start[grp], members = group_start[grp + 1] - t;
-        const int32_t *tables = block_tables + (int64_t)t * table_stride;
-        uint16_t *o = (uint16_t *)out;
-        if (dim == 64)
-            bf_unit_d64((const uint16_t *)q, q_rows + t, members, tables, table_stride,
-                        ctx_lens + t, group_shared[grp], h, group, num_kv_heads,
-                        (const uint16_t *)k_cache, (const uint16_t *)v_cache, block_size, scale,
-                        o, out_rows + t);
-        else
-            bf_unit_d128((const uint16_t *)q, q_rows + t, members, tables, table_stride,
-                         ctx_lens + t, group_shared[grp], h, group, num_kv_heads,
-                         (const uint16_t *)k_cache, (const uint16_t *)v_cache, block_size, scale,
-                         o, out_rows + t);
+#pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
+    {
+#ifdef BF_AMX
+        if (amx_ok) bf_configure_tiles(); /* tile state is per thread */
+#endif
+#pragma omp for schedule(dynamic, 1)
+        for (int u = 0; u < units; u++) {
+            const int grp = u / num_kv_heads, h = u % num_kv_heads;
+            const int t = group_start[grp], members = group_start[grp + 1] - t;
+            const int32_t *tables = block_tables + (int64_t)t * table_stride;
+            uint16_t *o = (uint16_t *)out;
+            if (dim == 64)
+                bf_unit_d64((const uint16_t *)q, q_rows + t, members, tables, table_stride,
+                            ctx_lens + t, group_shared[grp], h, group, num_kv_heads,
+                            (const uint16_t *)k_cache, (const uint16_t *)v_cache, block_size,
+                            scale, o, out_rows + t);
+            else
+                bf_unit_d128((const uint16_t *)q, q_rows + t, members, tables, table_stride,
+                             ctx_lens + t, group_shared[grp], h, group, num_kv_heads,
+                             (const uint16_t *)k_cache, (const uint16_t *)v_cache, block_size,
+                             scale, o, out_rows + t);
+        }
+#ifdef BF_AMX
+        if (amx_ok) _tile_release();
+#endif
     }
     return 0;
 #else
