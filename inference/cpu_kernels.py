@@ -32,6 +32,7 @@ log = logging.getLogger("docqa.engine")
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
 LINEAR_SOURCE = Path(__file__).parent / "csrc" / "linear.c"
 AMX_SOURCE = Path(__file__).parent / "csrc" / "linear_amx.c"
+ELEMENTWISE_SOURCE = Path(__file__).parent / "csrc" / "elementwise.c"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # the kernel's limits (decode_attention.c): head_dim a multiple of 32 up to 256, at most 16
@@ -231,8 +232,8 @@ def linear_bf16_amx_available() -> bool:
 
 def pack_linear_bf16_amx(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] bf16 (in a multiple of 32) -> tiles [ceil(out / 16), in / 32, 16, 16, 2]
-    (linear_amx.c): tile (nb, kb) row p holds, for feature j, inputs 32 kb + 2p and 32 kb + 2p + 1
-    of feature 16 nb + j; features past out zero."""
+    (linear_amx.c): tile (nb, kb) row p holds, for feature j, inputs 32 kb + 2p and
+    32 kb + 2p + 1 of feature 16 nb + j; features past out zero."""
     n, k = weight.shape
     assert k % 32 == 0, "the AMX kernel takes inputs in whole blocks of 32"
     nb = -(-n // 16)
@@ -254,6 +255,7 @@ def linear_bf16_amx(
     if x.stride(1) != 1 or x.stride(0) < k:
         x = x.contiguous()
     assert packed.shape[1] * 32 == k and packed.is_contiguous()
+    assert packed.shape[0] * 16 >= out_features
     y = x.new_empty(m, out_features)
     rc = amx_library().docqa_linear_bf16_amx(
         x.data_ptr(),
@@ -270,6 +272,81 @@ def linear_bf16_amx(
     if rc != 0:
         raise ValueError(f"AMX linear kernel: bad sizes {tuple(x.shape)} x {out_features}")
     return y
+
+
+@functools.cache
+def elementwise_library() -> ctypes.CDLL | None:
+    """The compiled fused element-wise steps (bf16), or None where they do not build."""
+    if os.environ.get("DOCQA_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(ELEMENTWISE_SOURCE)))
+    except (KernelBuildError, OSError, subprocess.SubprocessError) as e:
+        log.warning("fused element-wise kernels unavailable, using torch's: %s", e)
+        return None
+    p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    lib.docqa_add_rms_norm_bf16.argtypes = [p, i64, p, i64, p, p, i64, i, i, f, i]
+    lib.docqa_add_rms_norm_bf16.restype = i
+    lib.docqa_silu_mul_bf16.argtypes = [p, i64, i, i, p, i64, i]
+    lib.docqa_silu_mul_bf16.restype = i
+    return lib
+
+
+def fused_elementwise_supports(x: torch.Tensor) -> bool:
+    """Whether ``add_rms_norm_bf16`` and ``silu_mul_bf16`` take this activation (bf16 on
+    the CPU, rows dense) here."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.bfloat16
+        and x.dim() == 2
+        and x.stride(1) == 1
+        and x.shape[1] % 16 == 0
+        and elementwise_library() is not None
+    )
+
+
+def add_rms_norm_bf16(
+    h: torch.Tensor,  # [n, d] bf16, the residual stream: updated in place when delta is given
+    delta: torch.Tensor | None,  # [n, d] bf16
+    weight: torch.Tensor,  # [d] bf16
+    eps: float,
+) -> torch.Tensor:
+    """``h += delta`` (rounded to bf16), then RMSNorm of each row of h with ``weight``, as
+    ``layers.rms_norm`` computes it; one pass per row."""
+    n, d = h.shape
+    if delta is not None:
+        assert delta.shape == h.shape and delta.dtype == h.dtype and delta.stride(1) == 1
+    w = weight.contiguous()
+    x = h.new_empty(n, d)
+    rc = elementwise_library().docqa_add_rms_norm_bf16(
+        h.data_ptr(),
+        h.stride(0),
+        None if delta is None else delta.data_ptr(),
+        0 if delta is None else delta.stride(0),
+        w.data_ptr(),
+        x.data_ptr(),
+        d,
+        n,
+        d,
+        eps,
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(f"add_rms_norm_bf16: bad shape {tuple(h.shape)}")
+    return x
+
+
+def silu_mul_bf16(gu: torch.Tensor, inter: int) -> torch.Tensor:
+    """[n, 2 * inter] bf16 (gate, then up) -> bf16(silu(gate) * up), [n, inter]."""
+    n = gu.shape[0]
+    assert gu.shape[1] == 2 * inter and gu.stride(1) == 1
+    out = gu.new_empty(n, inter)
+    rc = elementwise_library().docqa_silu_mul_bf16(
+        gu.data_ptr(), gu.stride(0), n, inter, out.data_ptr(), inter, torch.get_num_threads()
+    )
+    if rc != 0:
+        raise ValueError(f"silu_mul_bf16: bad shape {tuple(gu.shape)}")
+    return out
 
 
 def decode_kernel_supports(

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from inference import cpu_kernels
 from inference.attention import AttentionMetadata, TorchBackend
 from inference.config import ModelConfig, dtype_name
 from inference.errors import ModelError
@@ -248,8 +249,12 @@ class LlamaModel:
         kd = cfg.num_kv_heads * cfg.head_dim
         n = h.shape[0]
         cos_sin = self.rotary.gather(positions)  # once per step, shared by every layer
+        eps = cfg.rms_norm_eps
+        inter = cfg.intermediate_size
+        if cpu_kernels.fused_elementwise_supports(h):
+            return self._forward_fused(h, cos_sin, meta, kv_caches, logits_indices)
         for lw, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
+            x = rms_norm(h, lw.input_norm, eps)
             qkv = lw.qkv(x)  # [N, qd + 2 kd]
             # rotary on q and k at once (one [N, heads + kv heads, d] view of qkv)
             qk = qkv[:, : qd + kd].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
@@ -259,9 +264,34 @@ class LlamaModel:
             self.attn_backend.store_kv(k, v, k_cache, v_cache, meta)
             attn = self.attn_backend.attention(q, k_cache, v_cache, meta, self.scale)
             h = h + lw.o_proj(attn.reshape(n, qd))
-            x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
+            x = rms_norm(h, lw.post_norm, eps)
             gu = lw.gate_up(x)  # [N, 2I]
-            inter = cfg.intermediate_size
             h = h + lw.down(F.silu(gu[:, :inter]) * gu[:, inter:])
-        h = rms_norm(h[logits_indices], self.final_norm, cfg.rms_norm_eps)
+        h = rms_norm(h[logits_indices], self.final_norm, eps)
+        return self.lm_head(h).float()
+
+    def _forward_fused(self, h, cos_sin, meta, kv_caches, logits_indices) -> torch.Tensor:
+        """``forward`` in bf16 on the CPU with the element-wise steps fused
+        (``cpu_kernels.add_rms_norm_bf16``, ``silu_mul_bf16``): each residual add goes into
+        the next RMSNorm's pass, and h is updated in place."""
+        cfg = self.cfg
+        eps, inter = cfg.rms_norm_eps, cfg.intermediate_size
+        qd = cfg.num_heads * cfg.head_dim
+        kd = cfg.num_kv_heads * cfg.head_dim
+        n = h.shape[0]
+        h = h.contiguous()
+        delta = None  # the last layer's MLP output, not yet added to h
+        for lw, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x = cpu_kernels.add_rms_norm_bf16(h, delta, lw.input_norm, eps)
+            qkv = lw.qkv(x)
+            qk = qkv[:, : qd + kd].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+            qk = self.rotary.apply(qk, cos_sin)
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
+            v = qkv[:, qd + kd :].view(n, cfg.num_kv_heads, cfg.head_dim)
+            self.attn_backend.store_kv(k, v, k_cache, v_cache, meta)
+            attn = self.attn_backend.attention(q, k_cache, v_cache, meta, self.scale)
+            x = cpu_kernels.add_rms_norm_bf16(h, lw.o_proj(attn.reshape(n, qd)), lw.post_norm, eps)
+            delta = lw.down(cpu_kernels.silu_mul_bf16(lw.gate_up(x), inter))
+        h = h[logits_indices] + delta[logits_indices]
+        h = cpu_kernels.add_rms_norm_bf16(h, None, self.final_norm, eps)
         return self.lm_head(h).float()

@@ -233,3 +233,47 @@ def test_linear_bf16_amx_kernel_against_float64(out_f, in_f, bias):
         assert torch.equal(lin(x[101 - n :]), got[101 - n :])
     assert torch.equal(lin(x.flip(0)), got.flip(0))
     assert lin(x[:0]).shape == (0, out_f)
+
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The largest distance between two bf16 tensors in units in the last place."""
+    ia = a.view(torch.int16).int()
+    ib = b.view(torch.int16).int()
+    ia = torch.where(ia < 0, -(ia & 0x7FFF), ia)  # sign-magnitude -> ordered integers
+    ib = torch.where(ib < 0, -(ib & 0x7FFF), ib)
+    return int((ia - ib).abs().max())
+
+
+@pytest.mark.skipif(
+    cpu_kernels.elementwise_library() is None, reason="the element-wise kernels do not build here"
+)
+def test_fused_elementwise_steps_match_torch_and_keep_rows_apart():
+    """add_rms_norm_bf16 adds the residual with torch's rounding (the same bits) and
+    normalizes within one bf16 step of layers.rms_norm; silu_mul_bf16 within one step of
+    torch's silu(gate) * up; a row alone gets the bits it gets in the call."""
+    from inference.layers import rms_norm
+
+    gen = torch.Generator().manual_seed(11)
+    n, d, inter = 37, 576, 1536
+    h = (torch.randn(n, d, generator=gen) * 3).bfloat16()
+    delta = torch.randn(n, d, generator=gen).bfloat16()
+    w = (torch.rand(d, generator=gen) + 0.5).bfloat16()
+    h_ref = h + delta
+    x_ref = rms_norm(h_ref, w, 1e-5)
+    h_ours = h.clone()
+    x = cpu_kernels.add_rms_norm_bf16(h_ours, delta, w, 1e-5)
+    assert torch.equal(h_ours, h_ref)
+    assert _ulps_apart(x, x_ref) <= 1
+    assert torch.equal(cpu_kernels.add_rms_norm_bf16(h_ref.clone(), None, w, 1e-5), x)
+    for r in (0, 17, 36):
+        one = h[r : r + 1].clone()
+        assert torch.equal(
+            cpu_kernels.add_rms_norm_bf16(one, delta[r : r + 1], w, 1e-5), x[r : r + 1]
+        )
+
+    gu = (torch.randn(n, 2 * inter, generator=gen) * 4).bfloat16()
+    gu[0, :8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 60.0, -60.0, 100.0, -100.0])
+    ref = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+    got = cpu_kernels.silu_mul_bf16(gu, inter)
+    assert _ulps_apart(got, ref) <= 1
+    assert torch.equal(cpu_kernels.silu_mul_bf16(gu[5:6], inter), got[5:6])

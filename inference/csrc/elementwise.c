@@ -1,0 +1,90 @@
+/* The model's element-wise steps in bf16, fused: one pass over a row where torch takes one
+ * call (and one rounding to bf16) per operation.
+ *
+ *   docqa_add_rms_norm_bf16: h += delta (rounded to bf16, the residual stream), then
+ *       x = w * bf16(h * rsqrt(mean(h^2) + eps)), as Llama's RMSNorm (float32 inside, the
+ *       normalized row rounded to bf16 before the weight);
+ *   docqa_silu_mul_bf16: out = bf16(silu(g) * u) for the gate and up halves of a row.
+ *
+ * Each row is computed from that row alone, its sum of squares in a fixed order (16 partial
+ * sums over the row, then added in order): rows are batch-invariant.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf2f(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f2bf(float f) { /* to nearest even */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* exp(x) for x <= 0 (float32, relative error about 2e-7; 0 below -87) */
+static inline float exp_nonpositive(float x) {
+    const float under = x < -87.0f ? 0.0f : 1.0f;
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_rintf(x * 1.44269504088896341f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t e = ((int32_t)n + 127) << 23;
+    float s;
+    memcpy(&s, &e, 4);
+    return p * s * under;
+}
+
+int docqa_add_rms_norm_bf16(uint16_t *h, int64_t ldh, const uint16_t *delta, int64_t ldd,
+                            const uint16_t *w, uint16_t *x, int64_t ldx, int rows, int dim,
+                            float eps, int num_threads) {
+    if (rows < 0 || dim <= 0 || dim % 16) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (rows >= 64)
+    for (int r = 0; r < rows; r++) {
+        uint16_t *hr = h + (int64_t)r * ldh;
+        if (delta) {
+            const uint16_t *dr = delta + (int64_t)r * ldd;
+            for (int i = 0; i < dim; i++) hr[i] = f2bf(bf2f(hr[i]) + bf2f(dr[i]));
+        }
+        float part[16] = {0};
+        for (int i = 0; i < dim; i += 16)
+            for (int j = 0; j < 16; j++) {
+                const float v = bf2f(hr[i + j]);
+                part[j] += v * v;
+            }
+        float ss = 0.0f;
+        for (int j = 0; j < 16; j++) ss += part[j];
+        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        uint16_t *xr = x + (int64_t)r * ldx;
+        for (int i = 0; i < dim; i++)
+            xr[i] = f2bf(bf2f(w[i]) * bf2f(f2bf(bf2f(hr[i]) * inv)));
+    }
+    return 0;
+}
+
+int docqa_silu_mul_bf16(const uint16_t *gu, int64_t ldg, int rows, int inter, uint16_t *out,
+                        int64_t ldo, int num_threads) {
+    if (rows < 0 || inter <= 0) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (rows >= 16)
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *g = gu + (int64_t)r * ldg, *u = g + inter;
+        uint16_t *o = out + (int64_t)r * ldo;
+        for (int i = 0; i < inter; i++) {
+            const float a = bf2f(g[i]);
+            const float e = exp_nonpositive(-fabsf(a)); /* exp(-|a|) */
+            const float sig = a >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+            o[i] = f2bf(a * sig * bf2f(u[i]));
+        }
+    }
+    return 0;
+}
