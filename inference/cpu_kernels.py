@@ -289,6 +289,8 @@ def elementwise_library() -> ctypes.CDLL | None:
     lib.docqa_add_rms_norm_bf16.restype = i
     lib.docqa_silu_mul_bf16.argtypes = [p, i64, i, i, p, i64, i]
     lib.docqa_silu_mul_bf16.restype = i
+    lib.docqa_rotary_store_bf16.argtypes = [p, i64, i, i, i, i, p, p, p, p, p, p, i]
+    lib.docqa_rotary_store_bf16.restype = i
     return lib
 
 
@@ -347,6 +349,43 @@ def silu_mul_bf16(gu: torch.Tensor, inter: int) -> torch.Tensor:
     if rc != 0:
         raise ValueError(f"silu_mul_bf16: bad shape {tuple(gu.shape)}")
     return out
+
+
+def rotary_store_bf16(
+    qkv: torch.Tensor,  # [n, (heads + 2 kv heads) * d] bf16, rows dense: q and k rotated in place
+    num_heads: int,
+    num_kv_heads: int,
+    positions: torch.Tensor,  # [n] int64
+    cos: torch.Tensor,  # [max positions, d] bf16
+    sin: torch.Tensor,
+    slots: torch.Tensor,  # [n] int64, the token's cache slot (block * block_size + offset), -1 none
+    k_cache: torch.Tensor,  # [blocks, block_size, kv heads, d] bf16
+    v_cache: torch.Tensor,
+) -> None:
+    """Rotary embedding of the query and key heads in place, then each token's key and value
+    heads stored in its cache slot: one pass per token."""
+    n = qkv.shape[0]
+    d = cos.shape[1]
+    assert qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * d
+    assert cos.is_contiguous() and sin.is_contiguous() and k_cache.is_contiguous()
+    assert v_cache.is_contiguous() and positions.dtype == slots.dtype == torch.int64
+    rc = elementwise_library().docqa_rotary_store_bf16(
+        qkv.data_ptr(),
+        qkv.stride(0),
+        n,
+        num_heads,
+        num_kv_heads,
+        d,
+        positions.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        slots.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(f"rotary_store_bf16: bad shape {tuple(qkv.shape)}")
 
 
 def decode_kernel_supports(

@@ -252,7 +252,7 @@ class LlamaModel:
         eps = cfg.rms_norm_eps
         inter = cfg.intermediate_size
         if cpu_kernels.fused_elementwise_supports(h):
-            return self._forward_fused(h, cos_sin, meta, kv_caches, logits_indices)
+            return self._forward_fused(h, positions, cos_sin, meta, kv_caches, logits_indices)
         for lw, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = rms_norm(h, lw.input_norm, eps)
             qkv = lw.qkv(x)  # [N, qd + 2 kd]
@@ -270,10 +270,13 @@ class LlamaModel:
         h = rms_norm(h[logits_indices], self.final_norm, eps)
         return self.lm_head(h).float()
 
-    def _forward_fused(self, h, cos_sin, meta, kv_caches, logits_indices) -> torch.Tensor:
+    def _forward_fused(
+        self, h, positions, cos_sin, meta, kv_caches, logits_indices
+    ) -> torch.Tensor:
         """``forward`` in bf16 on the CPU with the element-wise steps fused
-        (``cpu_kernels.add_rms_norm_bf16``, ``silu_mul_bf16``): each residual add goes into
-        the next RMSNorm's pass, and h is updated in place."""
+        (``cpu_kernels.add_rms_norm_bf16``, ``silu_mul_bf16``, ``rotary_store_bf16``): each
+        residual add goes into the next RMSNorm's pass, h is updated in place, and rotary
+        embedding and the cache store are one pass over the qkv rows (bf16 caches)."""
         cfg = self.cfg
         eps, inter = cfg.rms_norm_eps, cfg.intermediate_size
         qd = cfg.num_heads * cfg.head_dim
@@ -284,11 +287,25 @@ class LlamaModel:
         for lw, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = cpu_kernels.add_rms_norm_bf16(h, delta, lw.input_norm, eps)
             qkv = lw.qkv(x)
-            qk = qkv[:, : qd + kd].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-            qk = self.rotary.apply(qk, cos_sin)
-            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
-            v = qkv[:, qd + kd :].view(n, cfg.num_kv_heads, cfg.head_dim)
-            self.attn_backend.store_kv(k, v, k_cache, v_cache, meta)
+            if k_cache.dtype == torch.bfloat16 and n:
+                cpu_kernels.rotary_store_bf16(
+                    qkv,
+                    cfg.num_heads,
+                    cfg.num_kv_heads,
+                    positions,
+                    self.rotary.cos,
+                    self.rotary.sin,
+                    meta.slot_mapping,
+                    k_cache,
+                    v_cache,
+                )
+                q = qkv[:, :qd].view(n, cfg.num_heads, cfg.head_dim)
+            else:
+                qk = qkv[:, : qd + kd].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+                qk = self.rotary.apply(qk, cos_sin)
+                q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
+                v = qkv[:, qd + kd :].view(n, cfg.num_kv_heads, cfg.head_dim)
+                self.attn_backend.store_kv(k, v, k_cache, v_cache, meta)
             attn = self.attn_backend.attention(q, k_cache, v_cache, meta, self.scale)
             x = cpu_kernels.add_rms_norm_bf16(h, lw.o_proj(attn.reshape(n, qd)), lw.post_norm, eps)
             delta = lw.down(cpu_kernels.silu_mul_bf16(lw.gate_up(x), inter))

@@ -277,3 +277,55 @@ def test_fused_elementwise_steps_match_torch_and_keep_rows_apart():
     got = cpu_kernels.silu_mul_bf16(gu, inter)
     assert _ulps_apart(got, ref) <= 1
     assert torch.equal(cpu_kernels.silu_mul_bf16(gu[5:6], inter), got[5:6])
+
+
+@pytest.mark.skipif(
+    cpu_kernels.elementwise_library() is None, reason="the element-wise kernels do not build here"
+)
+def test_fused_rotary_and_store_match_torch():
+    """rotary_store_bf16 rotates query and key heads at least as close to float64 as
+    RotaryTable.apply (which rounds after each product and sum; the kernel rounds once), and
+    within one bf16 step of the float64 result; stores each token's
+    rotated key and its value in its slot, leaves other slots and values untouched, and skips
+    tokens whose slot is -1."""
+    cfg = ModelConfig(
+        vocab_size=32,
+        hidden_size=96,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=3,
+        num_kv_heads=1,
+        head_dim=32,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+    )
+    from inference.layers import RotaryTable
+
+    rot = RotaryTable(cfg, 256, torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    n, heads, kvh, d = 9, 3, 1, 32
+    qkv = torch.randn(n, (heads + 2 * kvh) * d, generator=gen).bfloat16()
+    positions = torch.tensor([0, 1, 2, 50, 51, 200, 7, 8, 255])
+    slots = torch.tensor([3, 4, 5, -1, 17, 30, 0, 1, 31])
+    k_cache = torch.zeros(4, 8, kvh, d, dtype=torch.bfloat16)
+    v_cache = torch.zeros(4, 8, kvh, d, dtype=torch.bfloat16)
+    ref = rot.apply(qkv[:, : (heads + kvh) * d].view(n, heads + kvh, d), rot.gather(positions))
+    got = qkv.clone()
+    cpu_kernels.rotary_store_bf16(
+        got, heads, kvh, positions, rot.cos, rot.sin, slots, k_cache, v_cache
+    )
+    x = qkv[:, : (heads + kvh) * d].view(n, heads + kvh, d).double()
+    c = rot.cos[positions].double().unsqueeze(1)
+    s_ = rot.sin[positions].double().unsqueeze(1)
+    exact = x * c + torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1) * s_
+    ours = got[:, : (heads + kvh) * d].reshape(n, heads + kvh, d).double()
+    assert (ours - exact).abs().max() <= (ref.double() - exact).abs().max()
+    assert ((ours - exact).abs() <= 2**-8 * exact.abs() + 1e-30).all()
+    assert torch.equal(got[:, (heads + kvh) * d :], qkv[:, (heads + kvh) * d :])
+    flat_k, flat_v = k_cache.view(32, kvh * d), v_cache.view(32, kvh * d)
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(flat_k[s], got[t, heads * d : (heads + kvh) * d])
+            assert torch.equal(flat_v[s], qkv[t, (heads + kvh) * d :])
+    untouched = [s for s in range(32) if s not in slots.tolist()]
+    assert not flat_k[untouched].any() and not flat_v[untouched].any()

@@ -4,7 +4,9 @@
  *   docqa_add_rms_norm_bf16: h += delta (rounded to bf16, the residual stream), then
  *       x = w * bf16(h * rsqrt(mean(h^2) + eps)), as Llama's RMSNorm (float32 inside, the
  *       normalized row rounded to bf16 before the weight);
- *   docqa_silu_mul_bf16: out = bf16(silu(g) * u) for the gate and up halves of a row.
+ *   docqa_silu_mul_bf16: out = bf16(silu(g) * u) for the gate and up halves of a row;
+ *   docqa_rotary_store_bf16: rotary embedding of the query and key heads in place, and the
+ *       key and value heads written to the paged caches.
  *
  * Each row is computed from that row alone, its sum of squares in a fixed order (16 partial
  * sums over the row, then added in order): rows are batch-invariant.
@@ -84,6 +86,37 @@ int docqa_silu_mul_bf16(const uint16_t *gu, int64_t ldg, int rows, int inter, ui
             const float e = exp_nonpositive(-fabsf(a)); /* exp(-|a|) */
             const float sig = a >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
             o[i] = f2bf(a * sig * bf2f(u[i]));
+        }
+    }
+    return 0;
+}
+
+/* Rotary embedding of each token's query and key heads, in place in the qkv rows (float32
+ * inside, one rounding: x1 cos - x2 sin, x2 cos + x1 sin over the two halves of a head), then
+ * the token's key and value heads written to its slot of the paged caches (slot < 0: not
+ * stored). cos and sin: bf16 tables [positions, dim]. */
+int docqa_rotary_store_bf16(uint16_t *qkv, int64_t ldq, int n, int num_heads, int num_kv_heads,
+                            int dim, const int64_t *positions, const uint16_t *cos_t,
+                            const uint16_t *sin_t, const int64_t *slots, uint16_t *k_cache,
+                            uint16_t *v_cache, int num_threads) {
+    if (n < 0 || dim <= 0 || dim % 2) return -1;
+    const int half = dim / 2, rot = num_heads + num_kv_heads;
+    const int64_t kv_row = (int64_t)num_kv_heads * dim;
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (n >= 64)
+    for (int t = 0; t < n; t++) {
+        uint16_t *row = qkv + (int64_t)t * ldq;
+        const uint16_t *c = cos_t + positions[t] * dim, *s = sin_t + positions[t] * dim;
+        for (int h = 0; h < rot; h++) {
+            uint16_t *x = row + (int64_t)h * dim;
+            for (int i = 0; i < half; i++) {
+                const float x1 = bf2f(x[i]), x2 = bf2f(x[i + half]);
+                x[i] = f2bf(x1 * bf2f(c[i]) - x2 * bf2f(s[i]));
+                x[i + half] = f2bf(x2 * bf2f(c[i + half]) + x1 * bf2f(s[i + half]));
+            }
+        }
+        if (slots[t] >= 0) {
+            memcpy(k_cache + slots[t] * kv_row, row + (int64_t)num_heads * dim, kv_row * 2);
+            memcpy(v_cache + slots[t] * kv_row, row + (int64_t)rot * dim, kv_row * 2);
         }
     }
     return 0;
