@@ -441,6 +441,10 @@ static inline __attribute__((always_inline)) void bf_stage(
     const int CH = DIM / 32; /* 64-byte chunks of a K/V row */
     for (int kb = 0; kb < ROUND / 16; kb++)
         for (int c = 0; c < CH; c++) {
+            if (kb * 16 >= n) { /* no key here: zeros, as a transpose of zeros gives */
+                for (int p = 0; p < 16; p++) kt[c * 16 + p][kb] = _mm512_setzero_si512();
+                continue;
+            }
             __m512i r[16];
             for (int j = 0; j < 16; j++) {
                 const int key = kb * 16 + j;
@@ -452,6 +456,10 @@ static inline __attribute__((always_inline)) void bf_stage(
         }
     for (int k2 = 0; k2 < ROUND / 2; k2++) {
         const int a = 2 * k2, b = 2 * k2 + 1;
+        if (a >= n) {
+            for (int v = 0; v < 2 * CH; v++) vp[k2][v] = _mm512_setzero_si512();
+            continue;
+        }
         for (int c = 0; c < CH; c++) {
             const __m512i va = a < n ? _mm512_loadu_si512(v_cache + row_at[a] + c * 32)
                                      : _mm512_setzero_si512();
