@@ -208,6 +208,8 @@ def amx_library() -> ctypes.CDLL:
     for name in ("docqa_amx_init", "docqa_linear_bf16_amx_available"):
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = i
+    # the tile state is asked for once, on load: a tile instruction without it is SIGILL
+    lib.amx = bool(lib.docqa_linear_bf16_amx_available()) and lib.docqa_amx_init() == 0
     return lib
 
 
@@ -222,12 +224,9 @@ def linear_bf16_amx_available() -> bool:
     except (KernelBuildError, OSError, subprocess.SubprocessError) as e:
         log.warning("AMX linear kernel unavailable, using oneDNN's: %s", e)
         return False
-    if not lib.docqa_linear_bf16_amx_available():
-        return False
-    if lib.docqa_amx_init() != 0:
+    if lib.docqa_linear_bf16_amx_available() and not lib.amx:
         log.warning("the kernel refused AMX tile state to this process: using oneDNN's linears")
-        return False
-    return True
+    return lib.amx
 
 
 def pack_linear_bf16_amx(weight: torch.Tensor) -> torch.Tensor:
@@ -251,13 +250,16 @@ def linear_bf16_amx(
     """x @ weight.T (+ bias) in bf16 on the tile unit, each output summed over the inputs in
     blocks of 32 in order: a row's bits never depend on the other rows of the call."""
     assert x.dtype == torch.bfloat16 and x.dim() == 2
+    lib = amx_library()
+    if not lib.amx:
+        raise RuntimeError("no AMX tile state in this process (linear_bf16_amx_available)")
     m, k = x.shape
     if x.stride(1) != 1 or x.stride(0) < k:
         x = x.contiguous()
     assert packed.shape[1] * 32 == k and packed.is_contiguous()
     assert packed.shape[0] * 16 >= out_features
     y = x.new_empty(m, out_features)
-    rc = amx_library().docqa_linear_bf16_amx(
+    rc = lib.docqa_linear_bf16_amx(
         x.data_ptr(),
         m,
         x.stride(0),
