@@ -12,8 +12,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     DOCQA_HOME=/data
 
 WORKDIR /app
-# gcc builds the CPU decode attention kernel (inference/csrc) on first use, for the CPU the
-# container runs on; without it the engine takes its torch path
+# gcc builds the CPU kernels (inference/csrc: attention, linear layers, element-wise steps) on
+# first use, for the CPU the container runs on; without it the engine takes its torch paths
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"

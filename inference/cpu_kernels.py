@@ -1,10 +1,10 @@
 """CPU kernels compiled from ``inference/csrc`` on first use.
 
 The C sources are built with the machine's C compiler (``$CC``, else ``cc``/``gcc``) for the
-CPU they run on (``-march=native``) and kept under ``$DOCQA_HOME/kernels``, keyed by the source,
-the flags and the CPU, so a change of any of them builds anew and replicas that start together
-share one build (written to a temporary name, then renamed). Without a compiler the engine
-runs its torch paths instead (``kernels_available`` says which).
+CPU they run on (``-march=native``) and kept under ``$DOCQA_HOME/kernels``, keyed by the source
+(and the headers beside it), the flags and the CPU, so a change of any of them builds anew and
+replicas that start together share one build (written to a temporary name, then renamed).
+Without a compiler the engine runs its torch paths instead (``kernels_available`` says which).
 
 OpenMP: the library links ``libgomp.so.1``, the runtime torch's CPU build already loaded, so
 its threads are torch's threads; each call runs on ``torch.get_num_threads()`` of them.
@@ -67,8 +67,10 @@ def _build(src: Path) -> Path:
     if cc is None:
         raise KernelBuildError("no C compiler (set CC, or install gcc)")
     h = hashlib.sha256()
-    for part in (src.read_bytes(), " ".join(CFLAGS).encode(), _cpu_id().encode(), cc.encode()):
+    headers = [p.read_bytes() for p in sorted(src.parent.glob("*.h"))]  # what sources include
+    for part in (src.read_bytes(), *headers, " ".join(CFLAGS).encode(), _cpu_id().encode()):
         h.update(part)
+    h.update(cc.encode())
     out_dir = docqa_home() / "kernels"
     out = out_dir / f"{src.stem}-{h.hexdigest()[:16]}.so"
     if out.is_file():

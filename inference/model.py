@@ -246,7 +246,6 @@ class LlamaModel:
         cfg = self.cfg
         h = self.embed[input_ids]  # [N, H]
         qd = cfg.num_heads * cfg.head_dim
-        kd = cfg.num_kv_heads * cfg.head_dim
         n = h.shape[0]
         cos_sin = self.rotary.gather(positions)  # once per step, shared by every layer
         eps = cfg.rms_norm_eps
@@ -255,13 +254,7 @@ class LlamaModel:
             return self._forward_fused(h, positions, cos_sin, meta, kv_caches, logits_indices)
         for lw, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = rms_norm(h, lw.input_norm, eps)
-            qkv = lw.qkv(x)  # [N, qd + 2 kd]
-            # rotary on q and k at once (one [N, heads + kv heads, d] view of qkv)
-            qk = qkv[:, : qd + kd].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-            qk = self.rotary.apply(qk, cos_sin)
-            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
-            v = qkv[:, qd + kd :].view(n, cfg.num_kv_heads, cfg.head_dim)
-            self.attn_backend.store_kv(k, v, k_cache, v_cache, meta)
+            q = self._rotate_and_store(lw.qkv(x), cos_sin, meta, k_cache, v_cache)
             attn = self.attn_backend.attention(q, k_cache, v_cache, meta, self.scale)
             h = h + lw.o_proj(attn.reshape(n, qd))
             x = rms_norm(h, lw.post_norm, eps)
@@ -269,6 +262,18 @@ class LlamaModel:
             h = h + lw.down(F.silu(gu[:, :inter]) * gu[:, inter:])
         h = rms_norm(h[logits_indices], self.final_norm, eps)
         return self.lm_head(h).float()
+
+    def _rotate_and_store(self, qkv, cos_sin, meta, k_cache, v_cache) -> torch.Tensor:
+        """Rotary embedding of q and k (one [N, heads + kv heads, d] view of qkv), k and v
+        into the cache; returns q."""
+        cfg = self.cfg
+        n, d = qkv.shape[0], cfg.head_dim
+        qk_heads = cfg.num_heads + cfg.num_kv_heads
+        qk = self.rotary.apply(qkv[:, : qk_heads * d].view(n, qk_heads, d), cos_sin)
+        q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
+        v = qkv[:, qk_heads * d :].view(n, cfg.num_kv_heads, d)
+        self.attn_backend.store_kv(k, v, k_cache, v_cache, meta)
+        return q
 
     def _forward_fused(
         self, h, positions, cos_sin, meta, kv_caches, logits_indices
@@ -280,7 +285,6 @@ class LlamaModel:
         cfg = self.cfg
         eps, inter = cfg.rms_norm_eps, cfg.intermediate_size
         qd = cfg.num_heads * cfg.head_dim
-        kd = cfg.num_kv_heads * cfg.head_dim
         n = h.shape[0]
         h = h.contiguous()
         delta = None  # the last layer's MLP output, not yet added to h
@@ -301,11 +305,7 @@ class LlamaModel:
                 )
                 q = qkv[:, :qd].view(n, cfg.num_heads, cfg.head_dim)
             else:
-                qk = qkv[:, : qd + kd].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-                qk = self.rotary.apply(qk, cos_sin)
-                q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
-                v = qkv[:, qd + kd :].view(n, cfg.num_kv_heads, cfg.head_dim)
-                self.attn_backend.store_kv(k, v, k_cache, v_cache, meta)
+                q = self._rotate_and_store(qkv, cos_sin, meta, k_cache, v_cache)
             attn = self.attn_backend.attention(q, k_cache, v_cache, meta, self.scale)
             x = cpu_kernels.add_rms_norm_bf16(h, lw.o_proj(attn.reshape(n, qd)), lw.post_norm, eps)
             delta = lw.down(cpu_kernels.silu_mul_bf16(lw.gate_up(x), inter))

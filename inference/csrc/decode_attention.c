@@ -536,19 +536,45 @@ static inline __attribute__((always_inline)) void bf_softmax_row(BfRows *st, int
         for (int c = 0; c < DIM * 2; c += 64)                                                  \
             _mm_prefetch((const char *)(v_cache + row_at[j]) + c, _MM_HINT_T1);
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define BF_AMX 1
+#include "amx.h"
+
+static int amx_ok; /* docqa_attention_amx_init succeeded: every bf16 token takes the tiles */
+
+/* Asks Linux for the AMX tile state; from then on every bf16 token's products run on the
+ * tile unit. Returns 0 when they do. */
+int docqa_attention_amx_init(void) {
+    if (amx_request()) return -1;
+    amx_ok = 1;
+    return 0;
+}
+
+#else
+int docqa_attention_amx_init(void) { return -1; }
+#endif
+
 /* Keys [from, to) of one table for rows [lo, hi); from is a multiple of ROUND. DIM is 64 or
- * 128 (a compile-time constant in each caller). */
+ * 128 and AMX 0 or 1 (compile-time constants in each caller). With AMX the scores and the
+ * weighted values are tile products (16 rows a tile, each row's result from its own row
+ * alone; the round's values summed in a tile from zero, then added to the row's rescaled
+ * output), qt holding the unit's queries (row r at qt + r * DIM, zero past its rows: tiles
+ * read 16 rows from lo); without, vdpbf16ps products of broadcast query pairs, four rows at a
+ * time. Staging and softmax are the same. */
 static inline __attribute__((always_inline)) void bf_run_keys(
-    BfRows *st, int lo, int hi, const uint16_t *k_cache, const uint16_t *v_cache,
-    const int32_t *table, int from, int to, int kv_head, int num_kv_heads, const int DIM,
-    int block_size, float scale) {
+    BfRows *st, int lo, int hi, const uint16_t *qt, const uint16_t *k_cache,
+    const uint16_t *v_cache, const int32_t *table, int from, int to, int kv_head,
+    int num_kv_heads, const int DIM, int block_size, float scale, const int AMX) {
+    const int CH = DIM / 32;   /* 64-byte chunks of a K/V row */
     const int NP = DIM / 2;    /* bf16 pairs of a row */
     const int NV = DIM / 16;   /* output vectors of a row */
     const int64_t key_stride = (int64_t)num_kv_heads * DIM;
     __m512i kt[BF_MAX_DIM / 2][ROUND / 16];
     __m512i vp[ROUND / 2][BF_MAX_DIM / 16];
-    uint32_t pw[BF_MAX_ROWS][ROUND / 2];
+    uint32_t pw[BF_MAX_ROWS + 16][ROUND / 2] __attribute__((aligned(64)));
     int64_t at[2][ROUND]; /* element offset of each key's row: this round, the next */
+    (void)qt, (void)CH, (void)NP;
+    if (AMX) memset(pw, 0, sizeof pw);
     int blk = from / block_size, in_blk = from % block_size;
     BF_ROWS_OF(at[0], to - from < ROUND ? to - from : ROUND);
     for (int r0 = from, cur = 0; r0 < to; r0 += ROUND, cur ^= 1) {
@@ -556,6 +582,71 @@ static inline __attribute__((always_inline)) void bf_run_keys(
         const int64_t *row_at = at[cur];
         BF_PREFETCH_ROUND();
         bf_stage(kt, vp, k_cache, v_cache, row_at, n, DIM);
+#ifdef BF_AMX
+        if (AMX) {
+            float sc[16][ROUND] __attribute__((aligned(64)));
+            float ov[16][16] __attribute__((aligned(64)));
+            for (int b0 = lo; b0 < hi; b0 += 16) {
+                const int rows = hi - b0 < 16 ? hi - b0 : 16;
+                /* scores: tile kb holds keys 16 kb .. 16 kb + 15, summed over the head's 32-dim
+                 * chunks in order */
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int c = 0; c < CH; c++) {
+                    _tile_loadd(4, qt + (int64_t)b0 * DIM + c * 32, DIM * 2);
+                    _tile_loadd(6, &kt[c * 16][0], sizeof(kt[0]));
+                    _tile_loadd(7, &kt[c * 16][1], sizeof(kt[0]));
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_loadd(6, &kt[c * 16][2], sizeof(kt[0]));
+                    _tile_loadd(7, &kt[c * 16][3], sizeof(kt[0]));
+                    _tile_dpbf16ps(2, 4, 6);
+                    _tile_dpbf16ps(3, 4, 7);
+                }
+                _tile_stored(0, &sc[0][0], sizeof(sc[0]));
+                _tile_stored(1, &sc[0][16], sizeof(sc[0]));
+                _tile_stored(2, &sc[0][32], sizeof(sc[0]));
+                _tile_stored(3, &sc[0][48], sizeof(sc[0]));
+                for (int i = 0; i < rows; i++) {
+                    __m512 s[ROUND / 16];
+                    for (int kb = 0; kb < ROUND / 16; kb++) s[kb] = _mm512_load_ps(&sc[i][16 * kb]);
+                    bf_softmax_row(st, b0 + i, s, r0, scale, pw[b0 + i], NV);
+                }
+                /* weighted values, four 16-dim vectors at a time: the round's two 32-key halves
+                 * summed in order from zero, then added to the outputs */
+                for (int v0 = 0; v0 < NV; v0 += 4) {
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    for (int h = 0; h < 2; h++) {
+                        _tile_loadd(4, &pw[b0][16 * h], sizeof(pw[0]));
+                        _tile_loadd(6, &vp[16 * h][v0], sizeof(vp[0]));
+                        _tile_loadd(7, &vp[16 * h][v0 + 1], sizeof(vp[0]));
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(1, 4, 7);
+                        _tile_loadd(6, &vp[16 * h][v0 + 2], sizeof(vp[0]));
+                        _tile_loadd(7, &vp[16 * h][v0 + 3], sizeof(vp[0]));
+                        _tile_dpbf16ps(2, 4, 6);
+                        _tile_dpbf16ps(3, 4, 7);
+                    }
+#define BF_ADD_TILE(t)                                                                         \
+    _tile_stored(t, &ov[0][0], sizeof(ov[0]));                                                 \
+    for (int i = 0; i < rows; i++)                                                             \
+        st->acc[b0 + i][v0 + t] =                                                              \
+            _mm512_add_ps(st->acc[b0 + i][v0 + t], _mm512_load_ps(ov[i]));
+                    BF_ADD_TILE(0)
+                    BF_ADD_TILE(1)
+                    BF_ADD_TILE(2)
+                    BF_ADD_TILE(3)
+#undef BF_ADD_TILE
+                }
+            }
+            continue;
+        }
+#endif
         for (int g0 = lo; g0 < hi; g0 += 4) {
             int g[4];
             for (int i = 0; i < 4; i++) g[i] = g0 + i < hi ? g0 + i : hi - 1;
@@ -595,128 +686,6 @@ static inline __attribute__((always_inline)) void bf_run_keys(
         }
     }
 }
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#define BF_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-
-static int amx_ok; /* docqa_attention_amx_init succeeded: every bf16 token takes the tiles */
-
-/* Asks Linux for the AMX tile state; from then on every bf16 token's products run on the
- * tile unit. Returns 0 when they do. */
-int docqa_attention_amx_init(void) {
-    unsigned long bits = 0;
-    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) ||
-        syscall(SYS_arch_prctl, 0x1022 /* ARCH_GET_XCOMP_PERM */, &bits) ||
-        !(bits & (1ul << 18)))
-        return -1;
-    amx_ok = 1;
-    return 0;
-}
-
-static void bf_configure_tiles(void) {
-    struct {
-        uint8_t palette_id, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } __attribute__((packed)) cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
-
-/* bf_run_keys on the tile unit: the same staging and softmax; scores and weighted values are
- * tile products (16 rows a tile, each row's result from its own row alone), the round's values
- * summed in a tile from zero and then added to the row's rescaled output. qt: the unit's
- * queries, row r at qt + r * DIM, zero past its rows (tiles read 16 rows from lo). */
-static inline __attribute__((always_inline)) void bf_run_keys_amx(
-    BfRows *st, int lo, int hi, const uint16_t *qt, const uint16_t *k_cache,
-    const uint16_t *v_cache, const int32_t *table, int from, int to, int kv_head,
-    int num_kv_heads, const int DIM, int block_size, float scale) {
-    const int CH = DIM / 32;
-    const int NV = DIM / 16;
-    const int64_t key_stride = (int64_t)num_kv_heads * DIM;
-    __m512i kt[BF_MAX_DIM / 2][ROUND / 16];
-    __m512i vp[ROUND / 2][BF_MAX_DIM / 16];
-    uint32_t pw[BF_MAX_ROWS + 16][ROUND / 2] __attribute__((aligned(64)));
-    float sc[16][ROUND] __attribute__((aligned(64)));
-    float ov[16][16] __attribute__((aligned(64)));
-    int64_t at[2][ROUND];
-    memset(pw, 0, sizeof pw);
-    int blk = from / block_size, in_blk = from % block_size;
-    BF_ROWS_OF(at[0], to - from < ROUND ? to - from : ROUND);
-    for (int r0 = from, cur = 0; r0 < to; r0 += ROUND, cur ^= 1) {
-        const int n = to - r0 < ROUND ? to - r0 : ROUND;
-        const int64_t *row_at = at[cur];
-        BF_PREFETCH_ROUND();
-        bf_stage(kt, vp, k_cache, v_cache, row_at, n, DIM);
-        for (int b0 = lo; b0 < hi; b0 += 16) {
-            const int rows = hi - b0 < 16 ? hi - b0 : 16;
-            /* scores: tile kb holds keys 16 kb .. 16 kb + 15, summed over the head's 32-dim
-             * chunks in order */
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int c = 0; c < CH; c++) {
-                _tile_loadd(4, qt + (int64_t)b0 * DIM + c * 32, DIM * 2);
-                _tile_loadd(6, &kt[c * 16][0], sizeof(kt[0]));
-                _tile_loadd(7, &kt[c * 16][1], sizeof(kt[0]));
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_loadd(6, &kt[c * 16][2], sizeof(kt[0]));
-                _tile_loadd(7, &kt[c * 16][3], sizeof(kt[0]));
-                _tile_dpbf16ps(2, 4, 6);
-                _tile_dpbf16ps(3, 4, 7);
-            }
-            _tile_stored(0, &sc[0][0], sizeof(sc[0]));
-            _tile_stored(1, &sc[0][16], sizeof(sc[0]));
-            _tile_stored(2, &sc[0][32], sizeof(sc[0]));
-            _tile_stored(3, &sc[0][48], sizeof(sc[0]));
-            for (int i = 0; i < rows; i++) {
-                __m512 s[ROUND / 16];
-                for (int kb = 0; kb < ROUND / 16; kb++) s[kb] = _mm512_load_ps(&sc[i][16 * kb]);
-                bf_softmax_row(st, b0 + i, s, r0, scale, pw[b0 + i], NV);
-            }
-            /* weighted values, four 16-dim vectors at a time: the round's two 32-key halves
-             * summed in order from zero, then added to the outputs */
-            for (int v0 = 0; v0 < NV; v0 += 4) {
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int h = 0; h < 2; h++) {
-                    _tile_loadd(4, &pw[b0][16 * h], sizeof(pw[0]));
-                    _tile_loadd(6, &vp[16 * h][v0], sizeof(vp[0]));
-                    _tile_loadd(7, &vp[16 * h][v0 + 1], sizeof(vp[0]));
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    _tile_loadd(6, &vp[16 * h][v0 + 2], sizeof(vp[0]));
-                    _tile_loadd(7, &vp[16 * h][v0 + 3], sizeof(vp[0]));
-                    _tile_dpbf16ps(2, 4, 6);
-                    _tile_dpbf16ps(3, 4, 7);
-                }
-#define BF_ADD_TILE(t)                                                                         \
-    _tile_stored(t, &ov[0][0], sizeof(ov[0]));                                                 \
-    for (int i = 0; i < rows; i++)                                                             \
-        st->acc[b0 + i][v0 + t] = _mm512_add_ps(st->acc[b0 + i][v0 + t], _mm512_load_ps(ov[i]));
-                BF_ADD_TILE(0)
-                BF_ADD_TILE(1)
-                BF_ADD_TILE(2)
-                BF_ADD_TILE(3)
-#undef BF_ADD_TILE
-            }
-        }
-    }
-}
-#else
-int docqa_attention_amx_init(void) { return -1; }
-#endif
 #undef BF_ROWS_OF
 #undef BF_PREFETCH_ROUND
 
@@ -737,31 +706,33 @@ static inline __attribute__((always_inline)) void bf_unit(
             st.l[r] = 0.0f;
             for (int v = 0; v < NV; v++) st.acc[r][v] = _mm512_setzero_ps();
         }
+    uint16_t *qt = NULL;
 #ifdef BF_AMX
-    if (amx_ok) {
-        uint16_t qt[(BF_MAX_ROWS + 16) * BF_MAX_DIM] __attribute__((aligned(64)));
+    uint16_t qbuf[(BF_MAX_ROWS + 16) * BF_MAX_DIM] __attribute__((aligned(64)));
+    if (amx_ok) { /* the unit's queries packed for tile loads, zero past its rows */
+        qt = qbuf;
         memset(qt, 0, sizeof(uint16_t) * (rows + 16) * DIM);
         for (int r = 0; r < rows; r++) memcpy(qt + r * DIM, st.q[r], DIM * 2);
-        if (shared > 0)
-            bf_run_keys_amx(&st, 0, rows, qt, k_cache, v_cache, tables, 0, shared, kv_head,
-                            num_kv_heads, DIM, block_size, scale);
-        for (int i = 0; i < members; i++)
-            if (ctx[i] > shared)
-                bf_run_keys_amx(&st, i * group, (i + 1) * group, qt, k_cache, v_cache,
-                                tables + i * table_stride, shared, ctx[i], kv_head,
-                                num_kv_heads, DIM, block_size, scale);
-    } else
-#endif
-    {
-        if (shared > 0)
-            bf_run_keys(&st, 0, rows, k_cache, v_cache, tables, 0, shared, kv_head,
-                        num_kv_heads, DIM, block_size, scale);
-        for (int i = 0; i < members; i++)
-            if (ctx[i] > shared)
-                bf_run_keys(&st, i * group, (i + 1) * group, k_cache, v_cache,
-                            tables + i * table_stride, shared, ctx[i], kv_head, num_kv_heads,
-                            DIM, block_size, scale);
     }
+#endif
+    /* the group's shared keys for all its rows, then each token's own (the same arithmetic
+     * either way, with or without the tile unit: the flag only picks the compiled copy) */
+#define BF_WALK(AMX)                                                                           \
+    do {                                                                                       \
+        if (shared > 0)                                                                        \
+            bf_run_keys(&st, 0, rows, qt, k_cache, v_cache, tables, 0, shared, kv_head,        \
+                        num_kv_heads, DIM, block_size, scale, AMX);                            \
+        for (int i = 0; i < members; i++)                                                      \
+            if (ctx[i] > shared)                                                               \
+                bf_run_keys(&st, i * group, (i + 1) * group, qt, k_cache, v_cache,             \
+                            tables + i * table_stride, shared, ctx[i], kv_head, num_kv_heads,  \
+                            DIM, block_size, scale, AMX);                                      \
+    } while (0)
+    if (qt)
+        BF_WALK(1);
+    else
+        BF_WALK(0);
+#undef BF_WALK
     /* output vector 2c + h, lane 4L + e holds dim 32c + 8L + 4h + e (the V interleave) */
     for (int r = 0; r < rows; r++) {
         const int i = r / group, g = r % group;
@@ -833,7 +804,7 @@ int docqa_attention_bf16(const void *q, const int64_t *q_rows, int num_tokens,
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
     {
 #ifdef BF_AMX
-        if (amx_ok) bf_configure_tiles(); /* tile state is per thread */
+        if (amx_ok) amx_configure_tiles(); /* tile state is per thread */
 #endif
 #pragma omp for schedule(dynamic, 1)
         for (int u = 0; u < units; u++) {

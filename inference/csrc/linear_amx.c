@@ -29,40 +29,11 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) &&             \
     defined(__AVX512F__) && defined(__linux__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#define ARCH_GET_XCOMP_PERM 0x1022
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#include "amx.h"
 
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
-
-/* Asks the kernel for the AMX tile state (Linux keeps it off until a process asks).
- * Returns 0 when this process may use AMX. */
-int docqa_amx_init(void) {
-    unsigned long bits = 0;
-    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)) return -1;
-    if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &bits)) return -1;
-    return (bits & (1ul << XFEATURE_XTILEDATA)) ? 0 : -1;
-}
-
-static void configure_tiles(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
+/* Asks Linux for the AMX tile state. Returns 0 when this process may use AMX. */
+int docqa_amx_init(void) { return amx_request(); }
 
 /* C tile -> bf16 rows of y (bias added in float32 first, one rounding to nearest even) */
 static inline void store_tile(const float *c, int rows, float *bias16, uint16_t *y,
@@ -102,7 +73,7 @@ int docqa_linear_bf16_amx(const uint16_t *x, int m, int64_t ldx, const uint16_t 
     const int64_t tile_elems = 512;           /* bf16 per packed tile */
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
     {
-        configure_tiles();
+        amx_configure_tiles();
         float c[256] __attribute__((aligned(64)));
         float bias_buf[16];
 #pragma omp for schedule(static)
