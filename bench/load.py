@@ -76,7 +76,7 @@ LLAMA_CPP_ZEN5_DECODE_TOK_S = 94  # llama.cpp's llama-server, same model, AMD Ze
 
 def cpu_model() -> str:
     """The CPU's model name with its family and model numbers (one model name, "AMD EPYC",
-    covers several generations), and whether it has AVX-512."""
+    covers several generations), and whether it has AVX-512 and AMX."""
     fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
@@ -93,6 +93,8 @@ def cpu_model() -> str:
     if "cpu family" in fields and "model" in fields:
         flags = set(fields.get("flags", "").split())
         vec = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+        if "amx_bf16" in flags:
+            vec += ", AMX"
         name += f" (family {fields['cpu family']}, model {fields['model']}, {vec})"
     return name
 
