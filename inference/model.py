@@ -247,11 +247,11 @@ class LlamaModel:
         h = self.embed[input_ids]  # [N, H]
         qd = cfg.num_heads * cfg.head_dim
         n = h.shape[0]
-        cos_sin = self.rotary.gather(positions)  # once per step, shared by every layer
         eps = cfg.rms_norm_eps
         inter = cfg.intermediate_size
         if cpu_kernels.fused_elementwise_supports(h):
-            return self._forward_fused(h, positions, cos_sin, meta, kv_caches, logits_indices)
+            return self._forward_fused(h, positions, meta, kv_caches, logits_indices)
+        cos_sin = self.rotary.gather(positions)  # once per step, shared by every layer
         for lw, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = rms_norm(h, lw.input_norm, eps)
             q = self._rotate_and_store(lw.qkv(x), cos_sin, meta, k_cache, v_cache)
@@ -275,9 +275,7 @@ class LlamaModel:
         self.attn_backend.store_kv(k, v, k_cache, v_cache, meta)
         return q
 
-    def _forward_fused(
-        self, h, positions, cos_sin, meta, kv_caches, logits_indices
-    ) -> torch.Tensor:
+    def _forward_fused(self, h, positions, meta, kv_caches, logits_indices) -> torch.Tensor:
         """``forward`` in bf16 on the CPU with the element-wise steps fused
         (``cpu_kernels.add_rms_norm_bf16``, ``silu_mul_bf16``, ``rotary_store_bf16``): each
         residual add goes into the next RMSNorm's pass, h is updated in place, and rotary
@@ -288,6 +286,7 @@ class LlamaModel:
         n = h.shape[0]
         h = h.contiguous()
         delta = None  # the last layer's MLP output, not yet added to h
+        cos_sin = None  # gathered once if a cache is not bf16 (the torch rotary path)
         for lw, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = cpu_kernels.add_rms_norm_bf16(h, delta, lw.input_norm, eps)
             qkv = lw.qkv(x)
@@ -305,6 +304,8 @@ class LlamaModel:
                 )
                 q = qkv[:, :qd].view(n, cfg.num_heads, cfg.head_dim)
             else:
+                if cos_sin is None:
+                    cos_sin = self.rotary.gather(positions)
                 q = self._rotate_and_store(qkv, cos_sin, meta, k_cache, v_cache)
             attn = self.attn_backend.attention(q, k_cache, v_cache, meta, self.scale)
             x = cpu_kernels.add_rms_norm_bf16(h, lw.o_proj(attn.reshape(n, qd)), lw.post_norm, eps)
