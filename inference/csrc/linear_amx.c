@@ -19,8 +19,8 @@
  * stream in order while up to five row tiles (five accumulators) take their product with each.
  * The weight thus streams from memory once for calls of up to 80 rows; each further row tile
  * adds its products (measured on a 2-core Xeon with AMX, the 30 layers of SmolLM2: 1 row
- * 11-14 ms, 16 rows the same, 48 rows 18-21 ms, 512 rows 82-95 ms, level with oneDNN's
- * products from 48 rows up and 25-35% faster below).
+ * 11-14 ms, 16 rows the same, 48 rows 18-22 ms, 512 rows 96 ms; oneDNN's packed products
+ * 17-20, 17-20, 20-25 and 91 ms in the same runs).
  */
 #include <stdint.h>
 #include <stdlib.h>
