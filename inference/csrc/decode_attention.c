@@ -574,7 +574,10 @@ static inline __attribute__((always_inline)) void bf_run_keys(
     uint32_t pw[BF_MAX_ROWS + 16][ROUND / 2] __attribute__((aligned(64)));
     int64_t at[2][ROUND]; /* element offset of each key's row: this round, the next */
     (void)qt, (void)CH, (void)NP;
-    if (AMX) memset(pw, 0, sizeof pw);
+    if (AMX) { /* tiles read whole blocks of 16 rows from lo: the rows past hi weigh zero */
+        const int end = lo + (hi - lo + 15) / 16 * 16;
+        memset(pw[hi], 0, sizeof(pw[0]) * (end - hi));
+    }
     int blk = from / block_size, in_blk = from % block_size;
     BF_ROWS_OF(at[0], to - from < ROUND ? to - from : ROUND);
     for (int r0 = from, cur = 0; r0 < to; r0 += ROUND, cur ^= 1) {
@@ -711,8 +714,8 @@ static inline __attribute__((always_inline)) void bf_unit(
     uint16_t qbuf[(BF_MAX_ROWS + 16) * BF_MAX_DIM] __attribute__((aligned(64)));
     if (amx_ok) { /* the unit's queries packed for tile loads, zero past its rows */
         qt = qbuf;
-        memset(qt, 0, sizeof(uint16_t) * (rows + 16) * DIM);
         for (int r = 0; r < rows; r++) memcpy(qt + r * DIM, st.q[r], DIM * 2);
+        memset(qt + rows * DIM, 0, sizeof(uint16_t) * 16 * DIM);
     }
 #endif
     /* the group's shared keys for all its rows, then each token's own (the same arithmetic
