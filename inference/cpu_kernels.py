@@ -127,28 +127,41 @@ def kernels_available() -> bool:
 
 @functools.cache
 def linear_library() -> ctypes.CDLL:
-    """The compiled float32 linear kernel (built on first use); raises KernelBuildError."""
+    """The compiled float32 and bf16 linear kernels (built on first use); raises
+    KernelBuildError."""
     lib = ctypes.CDLL(str(_build(LINEAR_SOURCE)))
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    fn = lib.docqa_linear_f32
-    fn.argtypes = [p, i, i64, p, i, i, p, p, i64, p, i]
-    fn.restype = i
-    lib.docqa_linear_f32_panel.argtypes = []
-    lib.docqa_linear_f32_panel.restype = i
+    for name in ("docqa_linear_f32", "docqa_linear_bf16"):
+        getattr(lib, name).argtypes = [p, i, i64, p, i, i, p, p, i64, p, i]
+        getattr(lib, name).restype = i
+    for name in ("docqa_linear_f32_panel", "docqa_linear_bf16_panel"):
+        getattr(lib, name).argtypes = []
+        getattr(lib, name).restype = i
     return lib
+
+
+def _panel(name: str) -> int:
+    if os.environ.get("DOCQA_CPU_KERNELS", "1") == "0":
+        return 0
+    try:
+        return getattr(linear_library(), name)()
+    except (KernelBuildError, OSError, subprocess.SubprocessError) as e:
+        log.warning("CPU linear kernel unavailable, using torch's: %s", e)
+        return 0
 
 
 @functools.cache
 def linear_f32_panel() -> int:
     """Output features per packed panel of the float32 linear kernel; 0 where it is not built
     (no C compiler, no FMA vectors on this CPU, or DOCQA_CPU_KERNELS=0)."""
-    if os.environ.get("DOCQA_CPU_KERNELS", "1") == "0":
-        return 0
-    try:
-        return linear_library().docqa_linear_f32_panel()
-    except (KernelBuildError, OSError, subprocess.SubprocessError) as e:
-        log.warning("CPU linear kernel unavailable, using torch's: %s", e)
-        return 0
+    return _panel("docqa_linear_f32_panel")
+
+
+@functools.cache
+def linear_bf16_panel() -> int:
+    """Output features per packed panel of the bf16 linear kernel (linear.c on AVX512-BF16);
+    0 where it is not built (no C compiler, no AVX512-BF16, or DOCQA_CPU_KERNELS=0)."""
+    return _panel("docqa_linear_bf16_panel")
 
 
 LINEAR_ROW_BLOCK, LINEAR_K_BLOCK = 96, 384  # linear.c's ROW_BLOCK and K_BLOCK
@@ -156,7 +169,18 @@ LINEAR_ROW_BLOCK, LINEAR_K_BLOCK = 96, 384  # linear.c's ROW_BLOCK and K_BLOCK
 
 def pack_linear_f32(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] float32 -> panels [ceil(out / P), in, P] (linear.c), features past out zero."""
-    panel = linear_f32_panel()
+    return _pack_panels(weight, linear_f32_panel())
+
+
+def pack_linear_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] bf16 (in even) -> panels [ceil(out / P), in / 2, P] int32 (linear.c): each
+    element a pair of consecutive inputs of one feature, the even one in the low half;
+    features past out zero."""
+    assert weight.shape[1] % 2 == 0, "the bf16 kernel takes inputs in pairs"
+    return _pack_panels(weight.contiguous().view(torch.int32), linear_bf16_panel())
+
+
+def _pack_panels(weight: torch.Tensor, panel: int) -> torch.Tensor:
     n, k = weight.shape
     panels = -(-n // panel)
     padded = weight.new_zeros(panels * panel, k)
@@ -172,16 +196,35 @@ def linear_f32(
 ) -> torch.Tensor:
     """x @ weight.T (+ bias), each output one fused multiply-add chain over the inputs in
     order: a row's bits never depend on the other rows of the call (``docqa_linear_f32``)."""
-    assert x.dtype == torch.float32 and x.dim() == 2
-    m, k = x.shape
+    assert x.dtype == torch.float32
+    return _panel_linear("docqa_linear_f32", x, packed, packed.shape[1], out_features, bias)
+
+
+def linear_bf16(
+    x: torch.Tensor,  # [m, in] bf16, rows dense (may be strided)
+    packed: torch.Tensor,  # pack_linear_bf16(weight)
+    out_features: int,
+    bias: torch.Tensor | None = None,  # [out] float32, contiguous
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) in bf16, each output one float32 chain of vdpbf16ps terms over
+    the input pairs in order, rounded once: a row's bits never depend on the other rows of the
+    call (``docqa_linear_bf16``)."""
+    assert x.dtype == torch.bfloat16
+    return _panel_linear("docqa_linear_bf16", x, packed, 2 * packed.shape[1], out_features, bias)
+
+
+def _panel_linear(name, x, packed, k, out_features, bias) -> torch.Tensor:
+    assert x.dim() == 2 and x.shape[1] == k and packed.is_contiguous()
+    m = x.shape[0]
     if x.stride(1) != 1 or x.stride(0) < k:
         x = x.contiguous()
-    assert packed.shape[1] == k and packed.is_contiguous()
     y = x.new_empty(m, out_features)
     part = None
-    if k > LINEAR_K_BLOCK and m:
-        part = x.new_empty(min(m, LINEAR_ROW_BLOCK) * packed.shape[0] * packed.shape[2])
-    rc = linear_library().docqa_linear_f32(
+    if packed.shape[1] > LINEAR_K_BLOCK and m:
+        part = torch.empty(
+            min(m, LINEAR_ROW_BLOCK) * packed.shape[0] * packed.shape[2], dtype=torch.float32
+        )
+    rc = getattr(linear_library(), name)(
         x.data_ptr(),
         m,
         x.stride(0),
@@ -195,7 +238,7 @@ def linear_f32(
         torch.get_num_threads(),
     )
     if rc != 0:
-        raise ValueError(f"float32 linear kernel: bad sizes {tuple(x.shape)} x {out_features}")
+        raise ValueError(f"linear kernel: bad sizes {tuple(x.shape)} x {out_features}")
     return y
 
 

@@ -64,23 +64,36 @@ def cpu_has_native_bf16() -> bool:
 @functools.cache
 def cpu_bf16_matmul_is_faster() -> bool:
     """Whether bf16 matrix products beat float32 ones on this CPU, measured once per process
-    (a few tens of ms): native bf16 support alone does not decide it. Measured: a Zen 5 core
-    runs bf16 products about 4x faster than float32; an AVX512-BF16 Xeon without AMX about
-    1.8x slower; a CPU that emulates bf16 about 3x slower. The products run on one thread and
+    (a few tens of ms): native bf16 support alone does not decide it. With oneDNN's products,
+    measured: a Zen 5 core runs bf16 about 4x faster than float32; an AVX512-BF16 Xeon without
+    AMX about 1.8x slower; a CPU that emulates bf16 about 3x slower. Where linear.c builds in
+    both dtypes (AVX512-BF16), its two kernels are compared instead (a Zen 4 core: bf16 2.5x
+    faster). The products run on one thread and
     are timed in that thread's CPU time, so other processes busy on the machine (replicas
     starting together) cannot change the answer: every process on one machine picks the same
     dtype, and with it the same prefix-cache fingerprint."""
     if not cpu_has_native_bf16():
         return False
+    from inference import cpu_kernels
+
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(256, 576, generator=gen)
-    b = torch.randn(576, 1536, generator=gen)
+    w = torch.randn(1536, 576, generator=gen)
+    # the products the model would run: the compiled kernels where both build (linear.c in
+    # float32 and bf16), else torch's
+    if cpu_kernels.linear_f32_panel() and cpu_kernels.linear_bf16_panel():
+        p32, p16 = cpu_kernels.pack_linear_f32(w), cpu_kernels.pack_linear_bf16(w.bfloat16())
+        f32 = functools.partial(cpu_kernels.linear_f32, a, p32, 1536)
+        f16 = functools.partial(cpu_kernels.linear_bf16, a.bfloat16(), p16, 1536)
+    else:
+        f32 = functools.partial(torch.mm, a, w.T)
+        f16 = functools.partial(torch.mm, a.bfloat16(), w.bfloat16().T)
 
-    def best(x, y) -> float:
+    def best(product) -> float:
         times = []
         for _ in range(5):
             t = time.thread_time()
-            torch.mm(x, y)
+            product()
             times.append(time.thread_time() - t)
         return min(times[1:])
 
@@ -88,8 +101,8 @@ def cpu_bf16_matmul_is_faster() -> bool:
     torch.set_num_threads(1)
     try:
         with torch.inference_mode():
-            t32 = best(a, b)
-            t16 = best(a.bfloat16(), b.bfloat16())
+            t32 = best(f32)
+            t16 = best(f16)
     finally:
         torch.set_num_threads(threads)
     return t16 < t32

@@ -5,9 +5,10 @@ kernel, and with it the accumulation order, by the number of rows. Measured with
 on a Xeon with AMX, calls of 1 to 32 rows give bit-identical rows but calls of more switch
 kernels; on AMD Zen 4 a call of one row takes a matrix-vector path of its own (the down
 projection's rows differ, rarely, where a sum cancels) while calls of 2 to 128 rows agree. In
-float32 torch's calls of up to 11 rows differ from larger ones; float32 weights on CPU go
-through ``inference/csrc/linear.c`` instead (where it builds), whose rows are invariant by
-construction, and need neither slabs nor padding. Otherwise every product runs in slabs of a
+float32 torch's calls of up to 11 rows differ from larger ones. Float32 weights on CPU go
+through ``inference/csrc/linear.c`` instead (where it builds), bf16 ones through
+``linear_amx.c`` on a CPU with AMX and through linear.c's bf16 kernel on one with AVX512-BF16:
+their rows are invariant by construction, and need neither slabs nor padding. Otherwise every product runs in slabs of a
 fixed number of rows, and a call, or a last slab, of fewer rows than the shape's ``min_rows``
 is padded to ``min_rows``: each row's result is then independent of how many rows share the
 call (prefill chunking, decode batching).
@@ -111,9 +112,10 @@ def _cancelling_input(rows: int, in_features: int, dtype, seed: int) -> torch.Te
 class Linear:
     """y = x @ w.T (+ b) with batch-invariant rows.
 
-    On CPU in float32 the weight is packed once into linear.c's panels, and in bf16 on a CPU
-    with AMX into linear_amx.c's tiles (rows invariant by construction at any call size:
-    ``row_slab`` is then None). Other CPUs pack bf16 weights once into oneDNN's blocked layout
+    On CPU in float32 the weight is packed once into linear.c's panels, in bf16 on a CPU with
+    AMX into linear_amx.c's tiles, and in bf16 on one with AVX512-BF16 into linear.c's panels
+    of input pairs (rows invariant by construction at any call size: ``row_slab`` is then
+    None). Other CPUs pack bf16 weights once into oneDNN's blocked layout
     where the CPU supports that (F.linear would repack it on every call, which dominates
     decode); products run in slabs of ``row_slab`` rows (or, with ``max_slab``, the largest
     measured slab up to it), calls of fewer than ``min_rows`` rows padded. The oneDNN path
@@ -133,20 +135,19 @@ class Linear:
         self._packed = None
         self._panels = None  # the float32 kernel's packed weight (cpu_kernels.linear_f32)
         self._tiles = None  # the AMX kernel's packed weight (cpu_kernels.linear_bf16_amx)
+        self._bf16_panels = None  # linear.c's bf16 packed weight (cpu_kernels.linear_bf16)
         self._bias_f32 = None
         cpu = weight.device.type == "cpu"
+        bf16 = cpu and weight.dtype == torch.bfloat16
         if cpu and weight.dtype == torch.float32 and cpu_kernels.linear_f32_panel():
             self._panels = cpu_kernels.pack_linear_f32(weight)
-        elif (
-            cpu
-            and weight.dtype == torch.bfloat16
-            and weight.shape[1] % 32 == 0
-            and cpu_kernels.linear_bf16_amx_available()
-        ):
+        elif bf16 and weight.shape[1] % 32 == 0 and cpu_kernels.linear_bf16_amx_available():
             self._tiles = cpu_kernels.pack_linear_bf16_amx(weight)
-            if bias is not None:
-                self._bias_f32 = bias.float().contiguous()
-        if self._panels is not None or self._tiles is not None:
+        elif bf16 and weight.shape[1] % 2 == 0 and cpu_kernels.linear_bf16_panel():
+            self._bf16_panels = cpu_kernels.pack_linear_bf16(weight)
+        if (self._tiles is not None or self._bf16_panels is not None) and bias is not None:
+            self._bias_f32 = bias.float().contiguous()
+        if self._panels is not None or self._tiles is not None or self._bf16_panels is not None:
             self.weight = None  # the packed copy replaces it (not held twice)
             self.row_slab = None  # invariant by construction: no slabs, no padding
             self.min_rows = 1
@@ -170,7 +171,15 @@ class Linear:
 
     def held_tensors(self) -> list[torch.Tensor]:
         """The tensors this layer keeps (for the model's weight bytes)."""
-        held = (self.weight, self._panels, self._tiles, self._packed, self.bias, self._bias_f32)
+        held = (
+            self.weight,
+            self._panels,
+            self._tiles,
+            self._bf16_panels,
+            self._packed,
+            self.bias,
+            self._bias_f32,
+        )
         return [t for t in held if t is not None]
 
     @torch.inference_mode()
@@ -220,6 +229,8 @@ class Linear:
             return cpu_kernels.linear_f32(x, self._panels, self.out_features, self.bias)
         if self._tiles is not None:
             return cpu_kernels.linear_bf16_amx(x, self._tiles, self.out_features, self._bias_f32)
+        if self._bf16_panels is not None:
+            return cpu_kernels.linear_bf16(x, self._bf16_panels, self.out_features, self._bias_f32)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

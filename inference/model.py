@@ -98,10 +98,11 @@ class LlamaModel:
         self.rotary = RotaryTable(cfg, cfg.max_position_embeddings, dtype, self.device)
         self.scale = cfg.head_dim**-0.5
         self.attn_backend = TorchBackend()  # the engine sets the configured backend
-        # bf16 rows are batch-invariant in slabs of 32 (calls padded to a measured fewest rows)
-        # on every CPU measured, of up to 128 on some (layers.py: measured per shape); fp32
-        # products on the CPU run in linear.c, invariant without slabs, and on CUDA slabs
-        # would only cost speed. The LM head sees one row per sequence, so it keeps 32.
+        # oneDNN's bf16 rows are batch-invariant in slabs of 32 (calls padded to a measured
+        # fewest rows) on every CPU measured, of up to 128 on some (layers.py: measured per
+        # shape); the compiled kernels (linear.c, linear_amx.c) are invariant without slabs
+        # and Linear ignores the slab for them; on CUDA slabs would only cost speed. The LM
+        # head sees one row per sequence, so it keeps 32.
         cpu_bf16 = dtype == torch.bfloat16 and self.device.type == "cpu"
         self.row_slab = LINEAR_ROW_SLAB if cpu_bf16 else None
 

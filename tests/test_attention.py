@@ -121,13 +121,21 @@ def _cpu_flags() -> set[str]:
 
 def test_bf16_products_take_the_tile_unit_where_the_cpu_has_one():
     """On a CPU with AMX-BF16 the bf16 attention kernel and linear layers run on the tile
-    unit (so the bf16 kernel tests here check that path); elsewhere both keep their vector and
-    oneDNN paths."""
+    unit (so the bf16 kernel tests here check that path); on one with AVX512-BF16 alone, the
+    linear layers run in linear.c's bf16 kernel; elsewhere they keep oneDNN's path."""
     if os.environ.get("DOCQA_CPU_KERNELS", "1") == "0":
         pytest.skip("CPU kernels turned off")
-    amx = "amx_bf16" in _cpu_flags() and "avx512_bf16" in _cpu_flags()
+    from inference.layers import Linear
+
+    flags = _cpu_flags()
+    bf16 = "avx512_bf16" in flags and "avx512bw" in flags
+    amx = "amx_bf16" in flags and bf16
     assert cpu_kernels.decode_attention_library().amx is amx
     assert cpu_kernels.linear_bf16_amx_available() is amx
+    assert bool(cpu_kernels.linear_bf16_panel()) is bf16
+    lin = Linear(torch.zeros(48, 64, dtype=torch.bfloat16))
+    assert (lin._tiles is not None) is amx
+    assert (lin._bf16_panels is not None) is (bf16 and not amx)
 
 
 @pytest.mark.parametrize("bs", [8, 16, 64, 128])

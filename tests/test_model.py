@@ -159,15 +159,15 @@ def test_bf16_rows_are_chunking_invariant():
 def test_linear_rows_do_not_depend_on_the_call_size(dtype, out_f, in_f):
     """Every call of 1 to 300 rows gives each row the bits of a 300-row call, on inputs whose
     sums cancel (where any change of summation order shows after rounding; another seed than
-    the probe's): in float32 through linear.c and in bf16 through linear_amx.c (no slabs)
-    where they are built, else in bf16 with the slab the probe chose (32 to 128 rows) and its
-    padding."""
+    the probe's): in float32 through linear.c and in bf16 through linear_amx.c or linear.c
+    (no slabs) where they are built, else in bf16 with the slab the probe chose (32 to 128
+    rows) and its padding."""
     w, x = _cancelling_probe(out_f, in_f, 300, dtype, seed=7)
     lin = Linear(w, None, LINEAR_ROW_SLAB, LINEAR_MAX_SLAB)
     kernel = (
         cpu_kernels.linear_f32_panel()
         if dtype == torch.float32
-        else cpu_kernels.linear_bf16_amx_available()
+        else cpu_kernels.linear_bf16_amx_available() or cpu_kernels.linear_bf16_panel()
     )
     if kernel:
         assert lin.row_slab is None and lin.min_rows == 1
@@ -203,33 +203,45 @@ def test_linear_f32_kernel_against_float64(out_f, in_f, bias):
     assert lin(x[:0]).shape == (0, out_f)
 
 
-@pytest.mark.skipif(
-    not cpu_kernels.linear_bf16_amx_available(), reason="no AMX-BF16 tile unit here"
-)
+@pytest.mark.parametrize("kernel", ["amx", "avx512"])
 @pytest.mark.parametrize(
     "out_f,in_f,bias", [(50, 64, True), (1000, 576, False), (33, 1536, True), (16, 32, False)]
 )
-def test_linear_bf16_amx_kernel_against_float64(out_f, in_f, bias):
-    """linear_amx.c's products, bias included, against float64 within one bf16 rounding plus
-    float32 summation, for feature counts short of whole tiles, row counts short of whole
-    tiles (the tail copied to a padded tile) and strided inputs; equal bits for a row alone,
-    for a row in a call of any size, and for the call's rows in a reversed order."""
+def test_linear_bf16_kernels_against_float64(kernel, out_f, in_f, bias):
+    """The bf16 linear kernels' products (linear_amx.c on the tile unit, linear.c on
+    AVX512-BF16), bias included, against float64 within one bf16 rounding plus float32
+    summation, for feature counts short of whole panels or tiles, row counts short of whole
+    register tiles (the AMX tail copied to a padded tile) and strided inputs; equal bits for
+    a row alone, for a row in a call of any size, and for the call's rows in a reversed
+    order."""
+    if kernel == "amx" and not cpu_kernels.linear_bf16_amx_available():
+        pytest.skip("no AMX-BF16 tile unit here")
+    if kernel == "avx512" and not cpu_kernels.linear_bf16_panel():
+        pytest.skip("linear.c's bf16 kernel is not built here (no AVX512-BF16)")
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(out_f, in_f, generator=gen).bfloat16()
     b = torch.randn(out_f, generator=gen).bfloat16() if bias else None
     wide = torch.randn(101, in_f + 9, generator=gen).bfloat16()
     x = wide[:, 3 : 3 + in_f]  # rows strided
-    lin = Linear(w, b)
-    assert lin._tiles is not None and lin.weight is None
+    if kernel == "amx":
+        lin = Linear(w, b)
+        assert lin._tiles is not None and lin.weight is None
+    else:
+        packed = cpu_kernels.pack_linear_bf16(w)
+        bias32 = None if b is None else b.float()
+
+        def lin(v):
+            return cpu_kernels.linear_bf16(v, packed, out_f, bias32)
+
     got = lin(x)
     assert got.dtype == torch.bfloat16 and got.shape == (101, out_f)
     ref = x.double() @ w.double().T + (b.double() if bias else 0)
     mag = x.double().abs() @ w.double().abs().T
     bound = 2**-8 * ref.abs() + 4 * in_f * 2**-24 * mag + 1e-30
     assert ((got.double() - ref).abs() <= bound).all()
-    for r in (0, 15, 16, 31, 32, 47, 100):
+    for r in (0, 7, 8, 15, 16, 31, 32, 47, 100):
         assert torch.equal(lin(x[r : r + 1]), got[r : r + 1])
-    for n in (1, 5, 16, 17, 33, 64, 100):
+    for n in (1, 2, 3, 5, 8, 9, 16, 17, 33, 64, 97, 100):
         assert torch.equal(lin(x[101 - n :]), got[101 - n :])
     assert torch.equal(lin(x.flip(0)), got.flip(0))
     assert lin(x[:0]).shape == (0, out_f)

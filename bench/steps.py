@@ -1,0 +1,181 @@
+"""In-process engine step times for the batch shapes serving produces, with a breakdown by part.
+
+    .venv/bin/python bench/steps.py [--manual-tokens 1000] [--question-tokens 48]
+        [--decodes 1 4 16] [--repeats 20] [--no-breakdown]
+
+One engine (the default model, ``auto`` dtype) caches ``manuals`` manuals; requests then ask
+about them in turn.
+Each shape is timed as the median of ``repeats`` forward passes of the model with the same
+inputs (the KV writes land in the same slots every time): ``N decodes`` is N requests each
+decoding one token after the manual and a question; ``question`` adds one question's prefill
+(all of it past the cached manual) to the step. With the breakdown, a second set of passes
+times the linear layers, the attention and the fused element-wise steps one by one (each call
+timed alone: the sum runs over the total by the timer's cost). Prints a table; nothing is
+written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from ttft import manual_text  # noqa: E402
+
+from inference import SamplingParams, cpu_kernels  # noqa: E402
+from inference.attention import AttentionMetadata  # noqa: E402
+from inference.engine import EngineConfig, LLMEngine  # noqa: E402
+from inference.layers import Linear  # noqa: E402
+from inference.llm import resolve_model  # noqa: E402
+from prompts import PromptBuilder  # noqa: E402
+
+
+def _prepare(engine, prompts: list[list[int]]):
+    """Requests for ``prompts`` with every prompt token computed (the manual from the cache)."""
+    reqs = []
+    for ids in prompts:
+        req = engine.add_request(ids, SamplingParams(max_tokens=64, ignore_eos=True))
+        reqs.append(req)
+    while any(not r.output_token_ids for r in reqs):
+        engine.step()
+    for r in reqs:  # room for the next token's KV
+        engine.kv_manager.allocate(r.request_id, r.num_tokens)
+    return reqs
+
+
+def _inputs(engine, chunks):
+    """Model inputs for ``chunks`` of (request, tokens, start) as engine.step builds them."""
+    ids, pos, tables, seq_lens, q_lens, rows, decodes = [], [], [], [], [], [], []
+    for req, n, ctx in chunks:
+        toks = req.all_token_ids
+        ids.extend(toks[ctx : ctx + n])
+        pos.extend(range(ctx, ctx + n))
+        tables.append(engine.kv_manager.block_ids(req.request_id))
+        seq_lens.append(ctx + n)
+        q_lens.append(n)
+        rows.append(len(ids) - 1)
+        decodes.append(n == 1)
+    meta = AttentionMetadata.build(
+        tables, seq_lens, q_lens, engine.kv_spec.block_size, engine.device, decodes
+    )
+    t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    return t(ids), t(pos), meta, engine.kv_caches, t(rows)
+
+
+class _Timer:
+    """Wraps the parts of a forward pass to sum their time by name."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.totals: dict[str, float] = defaultdict(float)
+        self._saved = []
+
+    def _wrap(self, owner, attr, name):
+        fn = getattr(owner, attr)
+        totals = self.totals
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            totals[name] += time.perf_counter() - t0
+            return out
+
+        self._saved.append((owner, attr, fn))
+        setattr(owner, attr, timed)
+
+    def __enter__(self):
+        model = self.engine.model
+        self._wrap(Linear, "__call__", "linears")
+        self._wrap(model.attn_backend, "attention", "attention")
+        for f in ("add_rms_norm_bf16", "silu_mul_bf16", "rotary_store_bf16"):
+            self._wrap(cpu_kernels, f, "element-wise")
+        return self
+
+    def __exit__(self, *exc):
+        for owner, attr, fn in reversed(self._saved):
+            setattr(owner, attr, fn)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--manual-tokens", type=int, default=1000)
+    ap.add_argument("--manuals", type=int, default=4, help="the decodes' manuals, in turn")
+    ap.add_argument("--question-tokens", type=int, default=48)
+    ap.add_argument("--decodes", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--no-breakdown", action="store_true")
+    ap.add_argument("--only", help="time only the steps whose name this regular expression matches")
+    args = ap.parse_args()
+
+    engine = LLMEngine(EngineConfig(model_dir=resolve_model(None)))
+    tok = engine.tokenizer
+    builder = PromptBuilder(tok)
+    base = manual_text(tok, args.manual_tokens)
+    texts = [f"Edition {m}\n{base}" for m in range(args.manuals)]
+    prefixes = [builder.prefix_ids(t) for t in texts]
+
+    def question(i: int) -> list[int]:
+        words = " ".join(f"step {i} option {j}" for j in range(args.question_tokens))
+        q_ids = tok.encode(words)[: args.question_tokens]
+        m = i % args.manuals
+        return builder.build(texts[m], tok.decode(q_ids), manual_ids=prefixes[m]).token_ids
+
+    _prepare(engine, [question(-m) for m in range(args.manuals)])  # caches the manuals
+    most = max(args.decodes)
+    reqs = _prepare(engine, [question(i) for i in range(1, most + 1)])
+    asker = engine.add_request(question(args.manuals * 1000), SamplingParams(max_tokens=1))
+    engine.scheduler.waiting.remove(asker)  # its step is built here, not scheduled
+    hit = engine.scheduler._lookup(asker)
+    q_start = hit.num_cached_tokens if hit else 0
+    engine.kv_manager.allocate(asker.request_id, asker.num_tokens, hit)
+    print(f"{torch.get_num_threads()} threads, {engine.dtype}, {args.manuals} manuals, prefix {len(prefixes[0][0])} tokens")
+    q_len = asker.num_tokens - q_start
+
+    shapes = []
+    for n in args.decodes:
+        dec = [(r, 1, r.num_tokens - 1) for r in reqs[:n]]
+        shapes.append((f"{n} decode{'s' if n > 1 else ''}", dec))
+    shapes.append((f"question ({q_len} tokens)", [(asker, q_len, q_start)]))
+    n = most
+    dec = [(r, 1, r.num_tokens - 1) for r in reqs[:n]]
+    shapes.append((f"{n} decodes + question", [*dec, (asker, q_len, q_start)]))
+
+    forward = engine.model.forward
+    print("| step | median ms | linears | attention | element-wise | rest |")
+    print("|---|---|---|---|---|---|")
+    for name, chunks in shapes:
+        if args.only and not re.fullmatch(args.only, name):
+            continue
+        inputs = _inputs(engine, chunks)
+        with torch.inference_mode():
+            for _ in range(3):
+                forward(*inputs)
+            times = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                forward(*inputs)
+                times.append(time.perf_counter() - t0)
+            med = statistics.median(times) * 1e3
+            parts = ""
+            if not args.no_breakdown:
+                with _Timer(engine) as timer:
+                    for _ in range(args.repeats):
+                        forward(*inputs)
+                p = {k: v * 1e3 / args.repeats for k, v in timer.totals.items()}
+                lin, att, ew = p.get("linears", 0), p.get("attention", 0), p.get("element-wise", 0)
+                parts = f"{lin:.1f} | {att:.1f} | {ew:.1f} | {max(med - lin - att - ew, 0):.1f}"
+        print(f"| {name} | {med:.1f} | {parts} |")
+
+
+if __name__ == "__main__":
+    main()
