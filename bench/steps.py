@@ -138,7 +138,10 @@ def main() -> None:
     hit = engine.scheduler._lookup(asker)
     q_start = hit.num_cached_tokens if hit else 0
     engine.kv_manager.allocate(asker.request_id, asker.num_tokens, hit)
-    print(f"{torch.get_num_threads()} threads, {engine.dtype}, {args.manuals} manuals, prefix {len(prefixes[0][0])} tokens")
+    print(
+        f"{torch.get_num_threads()} threads, {engine.dtype}, {args.manuals} manuals, "
+        f"prefix {len(prefixes[0][0])} tokens"
+    )
     q_len = asker.num_tokens - q_start
 
     shapes = []

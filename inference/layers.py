@@ -8,10 +8,10 @@ projection's rows differ, rarely, where a sum cancels) while calls of 2 to 128 r
 float32 torch's calls of up to 11 rows differ from larger ones. Float32 weights on CPU go
 through ``inference/csrc/linear.c`` instead (where it builds), bf16 ones through
 ``linear_amx.c`` on a CPU with AMX and through linear.c's bf16 kernel on one with AVX512-BF16:
-their rows are invariant by construction, and need neither slabs nor padding. Otherwise every product runs in slabs of a
-fixed number of rows, and a call, or a last slab, of fewer rows than the shape's ``min_rows``
-is padded to ``min_rows``: each row's result is then independent of how many rows share the
-call (prefill chunking, decode batching).
+their rows are invariant by construction, and need neither slabs nor padding. Otherwise
+every product runs in slabs of a fixed number of rows, and a call, or a last slab, of fewer
+rows than the shape's ``min_rows`` is padded to ``min_rows``: each row's result is then
+independent of how many rows share the call (prefill chunking, decode batching).
 
 Both are measured once per weight shape and dtype (``_probe``), with inputs whose sums cancel,
 where any change of summation order shows after rounding: the slab is the largest of
