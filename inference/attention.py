@@ -424,7 +424,7 @@ class CPUBackend(TorchBackend):
 
     bf16 on AVX512-BF16 (the default on such CPUs): every token of the step, prompt and decode
     alike, in one call per layer (``cpu_kernels.attention_bf16``), written in place into the
-    layer's output. A work unit is one KV head of a group of tokens: up to ``32 // group``
+    layer's output. A work unit is one KV head of a group of tokens: up to ``48 // group``
     consecutive tokens of one prompt chunk, or decode tokens whose contexts start with the same
     blocks (``cpu_kernels.decode_groups``). A token's result is the same bits as a prompt token
     or a decode token, alone or in any batch.

@@ -456,14 +456,14 @@ def decode_kernel_supports(
 
 ROUND = 64  # keys per online-softmax round (decode_attention.c); shared parts end on one
 MAX_ROWS = 16  # query rows per work unit of docqa_decode_attention
-BF16_MAX_ROWS = 32  # query rows per work unit of docqa_attention_bf16
+BF16_MAX_ROWS = 48  # query rows per work unit of docqa_attention_bf16
 
 
 def bf16_kernel_supports(
     q_dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int, dim: int
 ) -> bool:
     """Whether ``attention_bf16`` takes these shapes on this CPU (AVX512-BF16, bf16 q and K/V,
-    head_dim 64 or 128, at most 32 query heads per KV head)."""
+    head_dim 64 or 128, at most BF16_MAX_ROWS query heads per KV head)."""
     if q_dtype != torch.bfloat16 or kv_dtype != torch.bfloat16 or dim not in (64, 128):
         return False
     if num_heads % num_kv_heads or num_heads // num_kv_heads > BF16_MAX_ROWS:

@@ -180,7 +180,7 @@ def test_kernel_gives_a_prompt_token_the_bits_of_a_decode_token(dtype):
 
 
 def test_bf16_kernel_groups_do_not_change_outputs():
-    """Decode tokens about one manual in groups of up to 32 query rows whose shared keys are
+    """Decode tokens about one manual in groups of up to 48 query rows whose shared keys are
     read once, and prompt tokens in groups of consecutive tokens: the same bits as every token
     in a group of its own."""
     _bf16_kernel()
@@ -194,7 +194,7 @@ def test_bf16_kernel_groups_do_not_change_outputs():
     backend = CPUBackend()
     rows, bt, ctx, starts, shared = backend._step_plan(meta, "cpu", bs, 3, bf16=True)
     sizes = (starts[1:] - starts[:-1]).tolist()
-    assert max(sizes) == 10 and sum(sizes) == n  # 32 rows // 3 rows per token
+    assert max(sizes) == 16 and sum(sizes) == n  # 48 rows // 3 rows per token
     assert max(shared.tolist()) >= 960
     grouped = cpu_kernels.attention_bf16(
         q, rows, k_cache, v_cache, bt, ctx, 0.125, starts, shared, torch.empty_like(q)
