@@ -68,10 +68,10 @@ def cpu_bf16_matmul_is_faster() -> bool:
     measured: a Zen 5 core runs bf16 about 4x faster than float32; an AVX512-BF16 Xeon without
     AMX about 1.8x slower; a CPU that emulates bf16 about 3x slower. Where linear.c builds in
     both dtypes (AVX512-BF16), its two kernels are compared instead (a Zen 4 core: bf16 2.5x
-    faster). The products run on one thread and
-    are timed in that thread's CPU time, so other processes busy on the machine (replicas
-    starting together) cannot change the answer: every process on one machine picks the same
-    dtype, and with it the same prefix-cache fingerprint."""
+    faster). The products run on one thread and are timed in that thread's CPU time, so other
+    processes busy on the machine (replicas starting together) cannot change the answer: every
+    process on one machine picks the same dtype, and with it the same prefix-cache
+    fingerprint."""
     if not cpu_has_native_bf16():
         return False
     from inference import cpu_kernels

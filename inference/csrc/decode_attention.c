@@ -439,7 +439,7 @@ static inline void transpose16(__m512i r[16]) {
 /* The round's K rows transposed into pairs by keys (kt[p][kb] lane j: pair p of key
  * 16 kb + j) and its V rows interleaved in pairs of consecutive keys (vp[k2][v]: keys 2 k2 and
  * 2 k2 + 1 of 16 dims, v = 2c + h, lane 4L + e holding dim 32c + 8L + 4h + e); keys at or past
- * n are zero. */
+ * n are zero. The K rows only when with_k (walks with their rows in lanes read K in place). */
 static inline __attribute__((always_inline)) void bf_stage(
     __m512i kt[][ROUND / 16], __m512i vp[][BF_MAX_DIM / 16], const uint16_t *k_cache,
     const uint16_t *v_cache, const int64_t *row_at, int n, const int DIM, int with_k) {
