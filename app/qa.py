@@ -383,7 +383,7 @@ class QAService:
         await task
         probe = prefix + [0]
         cached = await self.runner.call(
-            lambda e: e.kv_manager.find_cached_prefix(probe, ns).num_cached_tokens
+            lambda e: e.kv_manager.find_cached_prefix(probe, ns, partial=True).num_cached_tokens
         )
         redis_status, redis_tokens = await self._warm_tier(prefix, ns)
         return {

@@ -220,7 +220,7 @@ class LLMEngine:
             model_dir, self.dtype, self.kv_dtype, config.block_size, config.random_weights_seed
         )
         self.kv_manager = KVCacheManager(
-            self.kv_spec.num_blocks, config.block_size, self.fingerprint
+            self.kv_spec.num_blocks, config.block_size, self.fingerprint, self._copy_slots
         )
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs), self.kv_manager
@@ -265,6 +265,13 @@ class LLMEngine:
             return int(total * self.config.gpu_memory_utilization - used - 2**30)
         gib = self.config.kv_cache_gib or default_cpu_kv_gib()
         return int(gib * 2**30)
+
+    def _copy_slots(self, src: int, dst: int, n: int) -> None:
+        """The KV of block ``src``'s first ``n`` slots into block ``dst``, every layer (a
+        prompt's start that a cached block holds: the same bits computing it would give)."""
+        for kc, vc in self.kv_caches:
+            kc[dst, :n] = kc[src, :n]
+            vc[dst, :n] = vc[src, :n]
 
     def kv_cache_allocated_bytes(self) -> int:
         return sum(

@@ -81,7 +81,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req.request_id)
+        self._free_blocks(req)
         req.status = RequestStatus.FINISHED
 
     @property
@@ -92,7 +92,7 @@ class Scheduler:
         for victim in reversed(self.running):
             if victim is not keep:
                 self.running.remove(victim)
-                self.kv.free(victim.request_id)
+                self._free_blocks(victim)
                 victim.status = RequestStatus.WAITING
                 victim.num_computed_tokens = 0
                 victim.num_preemptions += 1
@@ -141,7 +141,9 @@ class Scheduler:
     def _lookup(self, req: Request):
         if not req.use_cache:
             return None
-        return self.kv.find_cached_prefix(req.all_token_ids, req.namespace, self.prompt_hashes(req))
+        return self.kv.find_cached_prefix(
+            req.all_token_ids, req.namespace, self.prompt_hashes(req), partial=True
+        )
 
     def _inflight_blocks(self) -> set[bytes]:
         """Hashes of prompt blocks that running requests are computing and have not yet
@@ -194,13 +196,11 @@ class Scheduler:
                     if hashes[k] in inflight:
                         self.num_deferred_admissions += 1
                         continue
-            n = min(req.num_tokens - num_cached, budget)
-            try:
-                self.kv.allocate(
-                    req.request_id, num_cached + n, cached, req.namespace, req.use_cache
-                )
-            except NoFreeBlocksError:
+            taken = self._allocate(req, cached, budget)
+            if taken is None:
                 break
+            cached, n = taken
+            num_cached = cached.num_cached_tokens if cached else 0
             allocated = True
             self.waiting.remove(req)
             if req.num_cached_tokens < 0:  # first admission: count once
@@ -226,10 +226,34 @@ class Scheduler:
                 else:
                     inflight.update(self.prompt_hashes(req)[num_cached // bs :])
 
+    def _allocate(
+        self, req: Request, cached: CachedPrefix | None, budget: int
+    ) -> tuple[CachedPrefix | None, int] | None:
+        """Give a request being admitted its blocks for its first chunk; returns the prefix
+        taken and the chunk's tokens, or None when the pool cannot supply them. A copy source
+        held for its slots is one block less to hand out: in a full pool the copy is given up
+        and those tokens are computed instead."""
+        while True:
+            num_cached = cached.num_cached_tokens if cached else 0
+            n = min(req.num_tokens - num_cached, budget)
+            try:
+                self.kv.allocate(
+                    req.request_id, num_cached + n, cached, req.namespace, req.use_cache
+                )
+                return cached, n
+            except NoFreeBlocksError:
+                if cached is None or cached.copy_source is None:
+                    return None
+                cached = cached.full_blocks_only()
+
     def finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
         req.status = RequestStatus.FINISHED
         req.times.finished = time.perf_counter()
         if req in self.running:
             self.running.remove(req)
-        self.kv.free(req.request_id)
+        self._free_blocks(req)
+
+    def _free_blocks(self, req: Request) -> None:
+        """Free the request's blocks; the written part of its last block stays a copy source."""
+        self.kv.free(req.request_id, req.all_token_ids, req.num_computed_tokens)

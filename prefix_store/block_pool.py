@@ -1,4 +1,4 @@
-"""Ref-counted KV blocks, an O(1) LRU free queue and the hash index.
+"""Ref-counted KV blocks, an O(1) LRU free queue, the hash index and the copy sources.
 
 Free queue order (head = evicted first):
 
@@ -8,10 +8,23 @@ A request frees its blocks tail first (last block of its chain first), so within
 tail is evicted before the blocks the rest of the chain depends on. Eviction is lazy: a freed
 block keeps its hash and stays in the index until it is handed out again.
 
+Copy sources: a prompt whose walk of full blocks stops inside block i may still share its first
+tokens with a block that follows the same parent (the rest of a manual past its last full block,
+the template tokens that open every question). ``children[parent]`` lists such blocks: indexed
+full blocks, and the written first tokens of a finished request's last, partial block (a
+partial tail). Their slots are only ever copied into a fresh block, never shared, so a block
+shared by reference is always a full, indexed one. A partial tail is dropped when its block is
+handed out again, like a hash.
+
+    parent h(i-1) --+-- block 7  [a b c d e f g h]   (indexed, full)
+                    +-- block 12 [a b c x y]         (partial tail: 5 written slots)
+    prompt block i:             [a b c d z ...]   -> copy 4 slots of block 7, compute from z
+
 Invariants (``check_integrity``):
 - every block is either in the free queue (ref_cnt == 0) or referenced (ref_cnt > 0), never both;
 - free + in use == total;
-- every indexed hash maps to a block that holds that hash.
+- every indexed hash maps to a block that holds that hash;
+- every copy source holds its parent hash and the token ids of its written slots.
 """
 
 from __future__ import annotations
@@ -25,8 +38,12 @@ class Block:
     block_id: int  # index into the per-layer KV tensors
     ref_cnt: int = 0  # requests currently using this block
     block_hash: bytes | None = None  # set once the block is full, its KV written and indexed
-    parent_hash: bytes | None = None  # hash of the previous block in the chain (root for block 0)
-    token_ids: tuple[int, ...] = ()  # ids held by a hashed block, checked on every hit
+    # hash of the previous block in the chain (root for block 0); set for indexed blocks and
+    # for partial tails
+    parent_hash: bytes | None = None
+    # ids of the written slots: all of them for a hashed block (checked on every hit), fewer
+    # than block_size for a partial tail
+    token_ids: tuple[int, ...] = ()
     # free-queue links; None when not in the queue
     prev_free: Block | None = field(default=None, repr=False)
     next_free: Block | None = field(default=None, repr=False)
@@ -82,6 +99,19 @@ class FreeBlockQueue:
             b = b.next_free
 
 
+MAX_CHILDREN = 16  # copy sources kept per parent hash: siblings share their common start alike
+
+
+def common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
+
+
 class BlockPool:
     """All KV blocks of one engine. Block ids index the per-layer KV tensors."""
 
@@ -91,6 +121,9 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.hash_index: dict[bytes, Block] = {}
+        # parent hash -> {block id: block}, oldest first: the blocks whose first slots may be
+        # copied into a prompt's block that follows that parent (at most MAX_CHILDREN each)
+        self.children: dict[bytes, dict[int, Block]] = {}
         self.num_evictions = 0
         self._num_cached_free = 0  # free blocks that still hold a hash
         # (indexed?, hash) for every index change, once ``watch_index`` is called: read by
@@ -174,14 +207,55 @@ class BlockPool:
         block.parent_hash = parent_hash
         block.token_ids = token_ids
         self.hash_index[block_hash] = block
+        self._add_child(block)
         if block.ref_cnt == 0:
             self._num_cached_free += 1
         if self.index_events is not None:
             self.index_events.append((True, block_hash))
         return True
 
+    def set_partial_tail(
+        self, block: Block, parent_hash: bytes, token_ids: tuple[int, ...]
+    ) -> None:
+        """Offer the written first slots of a request's last, not full block (about to be freed
+        by its only holder) as a copy source after ``parent_hash``."""
+        if block.block_hash is not None or block.ref_cnt != 1 or not token_ids:
+            return
+        if block.parent_hash is not None:
+            self._drop_child(block)
+        block.parent_hash = parent_hash
+        block.token_ids = token_ids
+        self._add_child(block)
+
+    def best_copy_source(
+        self, parent_hash: bytes, token_ids: tuple[int, ...]
+    ) -> tuple[Block | None, int]:
+        """The copy source after ``parent_hash`` whose written ids share the longest start with
+        ``token_ids``, and that length (0 and None when none shares any). Changes nothing."""
+        best, best_n = None, 0
+        for block in self.children.get(parent_hash, {}).values():
+            n = common_prefix_len(block.token_ids, token_ids)
+            if n > best_n:
+                best, best_n = block, n
+        return best, best_n
+
+    def _add_child(self, block: Block) -> None:
+        siblings = self.children.setdefault(block.parent_hash, {})
+        siblings.pop(block.block_id, None)
+        siblings[block.block_id] = block  # newest last
+        if len(siblings) > MAX_CHILDREN:
+            del siblings[next(iter(siblings))]
+
+    def _drop_child(self, block: Block) -> None:
+        siblings = self.children.get(block.parent_hash)
+        if siblings is not None and siblings.pop(block.block_id, None) is not None and not siblings:
+            del self.children[block.parent_hash]
+
     def _evict(self, block: Block) -> None:
-        """Drop a free block's hash (it is being reused, or the cache is reset)."""
+        """Drop a free block's hash or partial tail (it is being reused, or the cache is
+        reset)."""
+        if block.parent_hash is not None:
+            self._drop_child(block)
         if block.block_hash is not None:
             self._num_cached_free -= 1
             if self.hash_index.get(block.block_hash) is block:
@@ -189,17 +263,19 @@ class BlockPool:
                 if self.index_events is not None:
                     self.index_events.append((False, block.block_hash))
             block.block_hash = None
-            block.parent_hash = None
-            block.token_ids = ()
             self.num_evictions += 1
+        block.parent_hash = None
+        block.token_ids = ()
 
     def reset_cache(self) -> int:
-        """Drop the hashes of all free blocks; returns how many were dropped."""
+        """Drop the hashes and partial tails of all free blocks; returns how many hashes were
+        dropped."""
         n = 0
         for block in self.free_queue:
             if block.block_hash is not None:
-                self._evict(block)
                 n += 1
+            if block.parent_hash is not None:
+                self._evict(block)
         return n
 
     def check_integrity(self) -> None:
@@ -220,3 +296,13 @@ class BlockPool:
         assert len(hashed) == len(self.hash_index), "hashed block missing from the index"
         cached_free = sum(1 for b in in_queue if b.block_hash is not None)
         assert cached_free == self._num_cached_free, "cached-free counter disagrees"
+        for parent, siblings in self.children.items():
+            assert 0 < len(siblings) <= MAX_CHILDREN, "empty or oversized copy-source list"
+            for block_id, b in siblings.items():
+                assert b.block_id == block_id and b.parent_hash == parent, (
+                    f"copy source {block_id} does not follow its parent"
+                )
+                assert b.token_ids, f"copy source {block_id} holds no token ids"
+                assert b.block_hash is None or self.hash_index.get(b.block_hash) is b, (
+                    f"copy source {block_id} holds an unindexed hash"
+                )

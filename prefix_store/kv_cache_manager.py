@@ -12,12 +12,19 @@ Rules (CONTRACTS.md, "Prefix hashing"):
 - duplicates (bypassed or concurrent prefills of the same prefix) are tolerated: the index keeps
   one, the other block is freed normally;
 - when every prompt token would hit, the last block is left out of the hit and recomputed into
-  a fresh block, so the first output token's logits exist.
+  a fresh block, so the first output token's logits exist;
+- past the last full block that hits, the prompt's next block may start with tokens that a
+  cached block after the same parent holds (``BlockPool.children``): with ``partial=True``
+  those slots are copied into the request's fresh block at allocation (``copy_slots``) and
+  count as cached. At least the last prompt token is always computed.
+
+    | full blocks hit | copied | computed ... |
+    0              k * bs   k * bs + m
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -31,8 +38,18 @@ class NoFreeBlocksError(RuntimeError):
 
 class CachedPrefix(NamedTuple):
     blocks: list[Block]  # hit blocks, in chain order; not yet referenced by the request
-    num_cached_tokens: int  # len(blocks) * block_size
+    num_cached_tokens: int  # len(blocks) * block_size + num_copied_tokens
     block_hashes: list[bytes]  # hashes of the hit blocks
+    # a block after the last hit whose first num_copied_tokens slots hold the prompt's next
+    # tokens: copied into the request's next (fresh) block at allocation
+    copy_source: Block | None = None
+    num_copied_tokens: int = 0
+
+    def full_blocks_only(self) -> CachedPrefix:
+        """The same prefix without the copied slots."""
+        return CachedPrefix(
+            self.blocks, self.num_cached_tokens - self.num_copied_tokens, self.block_hashes
+        )
 
 
 @dataclass(slots=True)
@@ -50,8 +67,17 @@ class KVCacheManager:
     (``find_cached_prefix``) never change anything and are always safe to call.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, model_fingerprint: bytes):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        model_fingerprint: bytes,
+        copy_slots: Callable[[int, int, int], None] | None = None,
+    ):
+        """``copy_slots(src_block, dst_block, n)`` copies the KV of the first ``n`` slots of
+        one block into another, every layer; without it no slots are ever copied."""
         self.block_size = block_size
+        self.copy_slots = copy_slots
         self.model_fingerprint = model_fingerprint
         self.pool = BlockPool(num_blocks)
         self._hashers: dict[bytes, BlockHasher] = {}
@@ -71,13 +97,17 @@ class KVCacheManager:
         token_ids: Sequence[int],
         namespace: bytes = b"",
         block_hashes: Sequence[bytes] | None = None,
+        partial: bool = False,
     ) -> CachedPrefix:
-        """Longest verified cached prefix of ``token_ids``, in full blocks.
+        """Longest verified cached prefix of ``token_ids``, in full blocks, and with
+        ``partial`` (and a ``copy_slots``) the tokens of the next block that a copy source
+        holds.
 
-        At most ``len(token_ids) - 1`` tokens are reported, rounded down to a block: when every
-        token would hit, the last block is recomputed. ``block_hashes``, the chain of
-        ``token_ids``'s full blocks in this namespace when the caller already has it, saves
-        hashing them again (hits are still verified against token ids and parent hashes).
+        At most ``len(token_ids) - 1`` tokens are reported: when every token would hit, the
+        last one is computed. ``block_hashes``, the chain of ``token_ids``'s full blocks in
+        this namespace when the caller already has it, saves hashing them again (hits are
+        still verified against token ids and parent hashes; copy sources against their parent
+        hash and token ids).
         """
         bs = self.block_size
         max_blocks = (len(token_ids) - 1) // bs
@@ -96,7 +126,15 @@ class KVCacheManager:
             blocks.append(block)
             hashes.append(h)
             parent = h
-        return CachedPrefix(blocks, len(blocks) * bs, hashes)
+        num_full = len(blocks) * bs
+        room = min(bs, len(token_ids) - 1 - num_full)
+        if partial and self.copy_slots is not None and room > 0:
+            src, n = self.pool.best_copy_source(
+                parent, tuple(token_ids[num_full : num_full + room])
+            )
+            if src is not None:
+                return CachedPrefix(blocks, num_full + n, hashes, src, n)
+        return CachedPrefix(blocks, num_full, hashes)
 
     # -- per request -----------------------------------------------------------------------
     def num_blocks_needed(self, request_id: str, num_tokens: int) -> int:
@@ -107,6 +145,8 @@ class KVCacheManager:
     def can_allocate(self, num_blocks: int, cached: CachedPrefix | None = None) -> bool:
         # cached blocks that sit in the free queue stop being free once touched
         reclaimed = sum(1 for b in cached.blocks if b.ref_cnt == 0) if cached else 0
+        if cached is not None and cached.copy_source is not None:
+            reclaimed += cached.copy_source.ref_cnt == 0  # held while its slots are copied
         return num_blocks <= self.pool.num_free - reclaimed
 
     def allocate(
@@ -120,13 +160,16 @@ class KVCacheManager:
         """Make ``request_id`` hold blocks for ``num_tokens`` tokens in all.
 
         On the first call ``cached`` (from ``find_cached_prefix``) is taken: its blocks are
-        referenced and become the request's first blocks. Raises NoFreeBlocksError, changing
-        nothing, when the pool cannot supply the new blocks. Returns the request's blocks.
+        referenced and become the request's first blocks, and its copy source's slots are
+        copied into the next one (held meanwhile, so the allocation cannot evict it). Raises
+        NoFreeBlocksError, changing nothing, when the pool cannot supply the new blocks.
+        Returns the request's blocks.
         """
         state = self._requests.get(request_id)
+        source = None
         if state is None:
             state = _RequestBlocks(self.hasher(namespace), use_cache)
-            if cached is not None and cached.blocks:
+            if cached is not None and (cached.blocks or cached.copy_source is not None):
                 if not use_cache:
                     raise ValueError("a bypassing request cannot take cached blocks")
                 need = -(-num_tokens // self.block_size) - len(cached.blocks)
@@ -135,15 +178,24 @@ class KVCacheManager:
                 self.pool.touch(cached.blocks)
                 state.blocks.extend(cached.blocks)
                 state.block_hashes.extend(cached.block_hashes)
+                if cached.copy_source is not None and need > 0:
+                    source = cached.copy_source
+                    self.pool.touch([source])
             self._requests[request_id] = state
         need = -(-num_tokens // self.block_size) - len(state.blocks)
         if need > 0:
             try:
                 state.blocks.extend(self.pool.allocate(need))
             except IndexError as e:
+                if source is not None:
+                    self.pool.free([source])
                 if not state.blocks:
                     del self._requests[request_id]
                 raise NoFreeBlocksError(str(e)) from None
+        if source is not None:
+            dst = state.blocks[len(cached.blocks)]
+            self.copy_slots(source.block_id, dst.block_id, cached.num_copied_tokens)
+            self.pool.free([source])
         return state.blocks
 
     def register_computed(
@@ -178,11 +230,34 @@ class KVCacheManager:
             parent = h
         return added
 
-    def free(self, request_id: str) -> None:
-        """Release a request's blocks, tail first (its chain's tail is evicted first)."""
+    def free(
+        self,
+        request_id: str,
+        token_ids: Sequence[int] | None = None,
+        num_computed_tokens: int = 0,
+    ) -> None:
+        """Release a request's blocks, tail first (its chain's tail is evicted first).
+
+        With ``token_ids`` (holding at least the ``num_computed_tokens`` whose KV is written),
+        a last block written only in part is offered as a copy source (a partial tail), so the
+        request's next turn, or the next question after a warmed manual, copies those slots
+        instead of computing them again."""
         state = self._requests.pop(request_id, None)
-        if state is not None:
-            self.pool.free(list(reversed(state.blocks)))
+        if state is None:
+            return
+        bs = self.block_size
+        i, written = divmod(num_computed_tokens, bs)
+        if (
+            token_ids is not None
+            and state.use_cache
+            and written
+            and i == len(state.block_hashes)
+            and i < len(state.blocks)
+        ):
+            parent = state.block_hashes[-1] if state.block_hashes else state.hasher.root
+            tail = tuple(token_ids[i * bs : num_computed_tokens])
+            self.pool.set_partial_tail(state.blocks[i], parent, tail)
+        self.pool.free(list(reversed(state.blocks)))
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._requests[request_id].blocks]

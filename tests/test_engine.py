@@ -40,11 +40,16 @@ def test_cold_and_warm_last_token_logits_are_bitwise_equal(llm):
         warm = _first_logits(llm, manual + _prompt(seed + 100, 5))  # puts the manual in cache
         warm = _first_logits(llm, ids)
         cold = _first_logits(llm, ids, use_cache=False)
-        assert warm.num_cached_tokens >= 288 and cold.num_cached_tokens == 0
+        # 18 full blocks, then the manual's last 12 tokens copied from the block that the
+        # question before filled after them
+        assert warm.num_cached_tokens == 300 and cold.num_cached_tokens == 0
         assert torch.equal(warm.logits[0], cold.logits[0])
-    # full-prompt hit: every block cached, the last block is recomputed
+    # full-prompt hit: every block cached; the last block's first tokens are copied from the
+    # earlier request's partial tail into a fresh block and only the last one is computed
+    computed = llm.engine.prompt_tokens_computed
     again = _first_logits(llm, ids)
-    assert again.num_cached_tokens == (len(ids) - 1) // 16 * 16
+    assert again.num_cached_tokens == len(ids) - 1
+    assert llm.engine.prompt_tokens_computed - computed == 1
     assert torch.equal(again.logits[0], cold.logits[0])
 
 
@@ -76,8 +81,9 @@ def test_generate_api_reports_cached_tokens_and_computed_counter(llm):
     assert eng.prompt_tokens_computed - before == 203
     before = eng.prompt_tokens_computed
     out2 = llm.generate(prompt_token_ids=[manual + [8, 9, 10, 11]], sampling_params=sp)[0]
-    assert out2.num_cached_tokens == 192
-    assert eng.prompt_tokens_computed - before == 204 - 192
+    # 12 full blocks, then the manual's last 8 tokens copied from out1's partial last block
+    assert out2.num_cached_tokens == 200
+    assert eng.prompt_tokens_computed - before == 204 - 200
     assert out2.finish_reason in ("stop", "length")
     m = out2.metrics
     assert m.ttft_ms > 0 and m.e2e_ms >= m.ttft_ms and m.queue_ms >= 0
@@ -161,7 +167,7 @@ def test_simultaneous_requests_prefill_a_shared_prefix_once(tiny_model_dir):
     reqs = [eng.add_request(p, SamplingParams(max_tokens=3, ignore_eos=True)) for p in prompts]
     while any(not r.finished for r in reqs):
         eng.step()
-    shared = len(manual) // 16 * 16
+    shared = len(manual)  # its full blocks, then its last 8 tokens copied from the first's block
     assert eng.prompt_tokens_computed == len(prompts[0]) + sum(len(p) - shared for p in prompts[1:])
     assert [r.num_cached_tokens for r in reqs] == [0] + [shared] * 7
     assert eng.scheduler.num_deferred_admissions > 0
@@ -194,3 +200,21 @@ def test_random_weights_for_benchmarks(tiny_model_dir):
     while not out.finished:
         a.step()
     assert len(out.output_token_ids) == 3
+
+
+def test_a_copy_that_would_not_fit_the_pool_is_computed_instead(tiny_model_dir):
+    """The prompt needs every block of the pool, so the block whose slots it could copy must
+    be handed out as its fresh block: it is admitted without the copy, not left waiting."""
+    eng = LLM(tiny_model_dir, dtype="bfloat16", kv_cache_gib=0.0002).engine
+    nb = eng.kv_spec.num_blocks
+    prompt = _prompt(960, nb * 16 - 2)
+    first = eng.add_request(prompt[: (nb - 1) * 16 + 4], SamplingParams(max_tokens=1))
+    while not first.finished:
+        eng.step()
+    req = eng.add_request(prompt, SamplingParams(max_tokens=1))
+    for _ in range(20):
+        if req.finished:
+            break
+        eng.step()
+    assert req.finished and req.num_cached_tokens == (nb - 1) * 16
+    eng.kv_manager.check_integrity()

@@ -116,3 +116,90 @@ def test_incremental_registration_during_decode():
     mgr.free("a")
     assert mgr.find_cached_prefix(ids + [8]).num_cached_tokens == 8
     mgr.check_integrity()
+
+
+def _copying_mgr(n=8):
+    """A manager whose slot copies are recorded as (source block, destination block, slots)."""
+    copies: list[tuple[int, int, int]] = []
+    mgr = KVCacheManager(n, BS, FP, copy_slots=lambda s, d, k: copies.append((s, d, k)))
+    return mgr, copies
+
+
+def test_next_block_start_is_copied_from_an_indexed_sibling():
+    mgr, copies = _copying_mgr()
+    a = list(range(12))  # [0-3] [4-7] [8-11], all full and indexed
+    _run(mgr, "a", a)
+    mgr.free("a")  # queue: 3 4 5 6 7 2 1 0
+    b = list(range(10)) + [70, 71, 72]  # block 2 starts 8 9, then differs
+    assert mgr.find_cached_prefix(b).num_cached_tokens == 8  # full blocks only
+    cached = mgr.find_cached_prefix(b, partial=True)
+    assert cached.num_cached_tokens == 10 and cached.num_copied_tokens == 2
+    assert cached.copy_source is mgr.pool.blocks[2]
+    blocks = mgr.allocate("b", len(b), cached)
+    # blocks 0 and 1 shared; block 2 held while its first two slots go into fresh block 3
+    assert [x.block_id for x in blocks] == [0, 1, 3, 4]
+    assert copies == [(2, 3, 2)]
+    assert mgr.pool.blocks[2].ref_cnt == 0 and mgr.pool.blocks[2].block_hash is not None
+    mgr.register_computed("b", b, len(b))
+    mgr.free("b")
+    mgr.check_integrity()
+    # the sibling b filled is a copy source too: the longest common start wins
+    c = list(range(10)) + [70, 5, 5]
+    cached = mgr.find_cached_prefix(c, partial=True)
+    assert cached.copy_source is mgr.pool.blocks[3] and cached.num_cached_tokens == 11
+
+
+def test_partial_tail_of_a_finished_request_is_a_copy_source_until_reused():
+    mgr, copies = _copying_mgr()
+    a = list(range(6))  # [0-3], then a tail of two written slots in block 1
+    mgr.allocate("a", 6)
+    mgr.register_computed("a", a, 6)
+    mgr.free("a", a, 6)  # queue: 2 3 4 5 6 7 1 0
+    mgr.check_integrity()
+    b = a + [9, 9]
+    cached = mgr.find_cached_prefix(b, partial=True)
+    assert cached.copy_source is mgr.pool.blocks[1] and cached.num_cached_tokens == 6
+    # the same prompt again: at most all tokens but the last count as cached
+    assert mgr.find_cached_prefix(a, partial=True).num_cached_tokens == 5
+    mgr.allocate("b", len(b), cached)
+    assert copies == [(1, 2, 2)] and mgr.block_ids("b") == [0, 2]
+    mgr.free("b")
+    # handing block 1 out again drops its tail: only the full block 0 still hits
+    mgr.allocate("c", 7 * BS)  # every free block but block 0
+    assert 1 in mgr.block_ids("c") and 0 not in mgr.block_ids("c")
+    assert mgr.find_cached_prefix(b, partial=True).num_cached_tokens == 4
+    mgr.free("c")
+    mgr.check_integrity()
+
+
+def test_no_partial_tail_without_its_ids_or_when_bypassing():
+    mgr, _ = _copying_mgr()
+    a = list(range(6))
+    mgr.allocate("a", 6)
+    mgr.register_computed("a", a, 6)
+    mgr.free("a")  # no ids given: nothing offered
+    assert mgr.find_cached_prefix(a + [1], partial=True).num_cached_tokens == 4
+    mgr.allocate("b", 6, use_cache=False)
+    mgr.free("b", a, 6)
+    assert mgr.pool.children == {mgr.pool.blocks[0].parent_hash: {0: mgr.pool.blocks[0]}}
+    mgr.check_integrity()
+
+
+def test_copy_source_in_a_full_pool_fails_the_allocation_cleanly():
+    """Held for its slots, the source cannot also be the fresh block the prompt needs."""
+    mgr, copies = _copying_mgr(n=3)
+    a = list(range(6))
+    mgr.allocate("a", 6)
+    mgr.register_computed("a", a, 6)
+    mgr.free("a", a, 6)
+    b = a + [7, 7, 7]  # needs three blocks: block 0 shared, two fresh
+    cached = mgr.find_cached_prefix(b, partial=True)
+    assert cached.copy_source is not None
+    with pytest.raises(NoFreeBlocksError):
+        mgr.allocate("b", len(b), cached)
+    assert not mgr.holds("b") and copies == [] and mgr.pool.num_free == 3
+    mgr.check_integrity()
+    mgr.allocate("b", len(b), cached.full_blocks_only())  # without the copy it fits
+    assert mgr.block_ids("b")[0] == 0
+    mgr.free("b")
+    mgr.check_integrity()
