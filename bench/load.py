@@ -14,7 +14,10 @@ same step forever after, and their next questions arrive as one burst. Clients s
 evenly over ``ramp-s`` seconds, as independent users arrive; ``auto`` is the mean duration of
 one request at the first level, and ``--ramp-s 0`` starts them all at once. Reports request
 throughput, output tokens/s, TTFT and TPOT p50/p99 (client side) and the cache hit rate, as a
-table and as JSON under bench/results/. Without ``--url`` it starts its own server.
+table and as JSON under bench/results/, with the share of a core the clients themselves took
+(all of them run in one thread on one selector, bench/sse_clients.py, so that the load
+generator takes as little as it can of the CPU the server runs on). Without ``--url`` it
+starts its own server.
 """
 
 from __future__ import annotations
@@ -24,12 +27,10 @@ import datetime as dt
 import json
 import os
 import platform
-import queue
 import random
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -40,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from bench.sse_clients import run_clients  # noqa: E402
 from bench.ttft import manual_text  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -148,23 +150,8 @@ def question(rng: random.Random, tok, n_tokens: int) -> str:
     return tok.decode(ids) + "?"
 
 
-def one_request(client: httpx.Client, body: dict) -> dict:
-    t0 = time.perf_counter()
-    token_times: list[float] = []
-    final = None
-    event = None
-    with client.stream("POST", "/v1/ask", json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                event = line[7:]
-            elif line.startswith("data: "):
-                now = time.perf_counter()
-                if event == "token":
-                    token_times.append(now)
-                elif event == "answer":
-                    final = json.loads(line[6:])
-    end = time.perf_counter()
+def record(body: dict, token_times: list[float], t0: float, end: float, final: dict) -> dict:
+    """One answer's figures, client side (ms), beside the engine's own."""
     n = final["usage"]["completion_tokens"]
     first = token_times[0] if token_times else end
     return {
@@ -187,7 +174,6 @@ def run_level(url, headers, tok, args, concurrency: int, rng: random.Random, ram
             m = c.post("/v1/manuals", json={"title": f"load {g}", "text": text}).json()
             c.post(f"/v1/manuals/{m['id']}/warm").raise_for_status()
             manual_ids.append(m["id"])
-    work: queue.Queue = queue.Queue()
     n_jobs = max(args.groups * args.prompts_per_group, concurrency * args.requests_per_client)
     jobs = [
         {
@@ -203,33 +189,18 @@ def run_level(url, headers, tok, args, concurrency: int, rng: random.Random, ram
         for i in range(n_jobs)
     ]
     rng.shuffle(jobs)
-    for j in jobs:
-        work.put(j)
     results: list[dict] = []
-    lock = threading.Lock()
-
-    def client_loop(delay: float):
-        time.sleep(delay)
-        with httpx.Client(base_url=url, headers=headers, timeout=900) as c:
-            while True:
-                try:
-                    body = work.get_nowait()
-                except queue.Empty:
-                    return
-                r = one_request(c, body)
-                with lock:
-                    results.append(r)
-
+    cpu0 = time.process_time()
     t0 = time.perf_counter()
-    threads = [
-        threading.Thread(target=client_loop, args=(i * ramp_s / concurrency,))
-        for i in range(concurrency)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_clients(
+        url,
+        headers,
+        lambda: jobs.pop() if jobs else None,
+        [i * ramp_s / concurrency for i in range(concurrency)],
+        lambda *a: results.append(record(*a)),
+    )
     wall = time.perf_counter() - t0
+    client_cpu = time.process_time() - cpu0
     ttft = [r["ttft_ms"] for r in results]
     tpot = [r["tpot_ms"] for r in results]
     out_tokens = sum(r["completion_tokens"] for r in results)
@@ -246,6 +217,7 @@ def run_level(url, headers, tok, args, concurrency: int, rng: random.Random, ram
         "tpot_p99_ms": pct(tpot, 0.99),
         "cache_hit_rate": sum(r["cached_tokens"] for r in results)
         / sum(r["prompt_tokens"] for r in results),
+        "client_cpu_share": client_cpu / wall,  # of one core, taken by this load generator
         "per_request": results,
     }
 
@@ -321,9 +293,9 @@ def main() -> int:
     )
     print(
         "| clients | req/s | output tok/s | x 1 client | TTFT p50 ms | TTFT p99 ms "
-        "| TPOT p50 ms | TPOT p99 ms | cache hit rate |"
+        "| TPOT p50 ms | TPOT p99 ms | cache hit rate | client CPU |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for lvl in levels:
         print(
             f"| {lvl['concurrency']} | {lvl['request_throughput']:.2f} "
@@ -331,7 +303,7 @@ def main() -> int:
             f"| {lvl['output_tokens_per_s'] / base['output_tokens_per_s']:.2f} "
             f"| {lvl['ttft_p50_ms']:.0f} | {lvl['ttft_p99_ms']:.0f} "
             f"| {lvl['tpot_p50_ms']:.1f} | {lvl['tpot_p99_ms']:.1f} "
-            f"| {lvl['cache_hit_rate']:.3f} |"
+            f"| {lvl['cache_hit_rate']:.3f} | {lvl['client_cpu_share']:.1%} |"
         )
     decode = 1000 / base["tpot_p50_ms"] if base["tpot_p50_ms"] else float("nan")
     llama, llama_source = llama_cpp_decode()
