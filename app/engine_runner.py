@@ -295,7 +295,9 @@ class EngineRunner:
         owner: str | None = None,
     ) -> RequestHandle:
         """Queue a request; errors about the prompt (too long, too large for the pool) are
-        raised here, before anything runs."""
+        raised here, before anything runs. Its timings count from this call: the engine thread
+        takes it between two steps."""
+        arrival = time.perf_counter()
         engine = self.require_ready()
         if len(engine.scheduler.waiting) >= self.max_waiting:
             raise EngineSaturated(
@@ -311,6 +313,7 @@ class EngineRunner:
                 request_id=request_id,
                 namespace=namespace,
                 use_cache=use_cache,
+                arrival=arrival,
             )
             self._active[request_id] = (req, handle)
 

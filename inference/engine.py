@@ -287,9 +287,12 @@ class LLMEngine:
         namespace: bytes = b"",
         use_cache: bool = True,
         keep_logits: bool = False,
+        arrival: float | None = None,
     ) -> Request:
         """Queue a request. ``use_cache=False`` is cache "bypass": nothing is read from the
-        prefix cache and nothing of this request is registered in it."""
+        prefix cache and nothing of this request is registered in it. ``arrival`` (a
+        ``time.perf_counter`` time) is when the request reached the front end, if earlier than
+        now: its queue time and TTFT count from there."""
         n = len(prompt_token_ids)
         if n == 0:
             raise PromptTooLongError("the prompt is empty", self.max_model_len)
@@ -325,6 +328,8 @@ class LLMEngine:
             generator=gen,
             keep_logits=keep_logits,
         )
+        if arrival is not None:
+            req.times.arrival = min(arrival, req.times.arrival)
         self.scheduler.add(req, reserved_blocks=self.num_pinned_blocks)
         self.requests[rid] = req
         if self.tier is not None and use_cache and self.tier.up:
