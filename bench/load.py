@@ -3,6 +3,7 @@
     .venv/bin/python bench/load.py [--url http://127.0.0.1:8000] [--concurrency 1 4 16]
         [--groups 4] [--prompts-per-group 8] [--manual-tokens 1000] [--question-tokens 32]
         [--output-tokens 32] [--output-spread 0.5] [--requests-per-client 4] [--ramp-s auto]
+        [--rounds 1]
 
 Each concurrency level gets ``groups`` fresh manuals (the shared prefixes), warms them, then
 ``groups * prompts-per-group`` questions (at least ``requests-per-client`` per client, spread
@@ -16,7 +17,9 @@ one request at the first level, and ``--ramp-s 0`` starts them all at once. Repo
 throughput, output tokens/s, TTFT and TPOT p50/p99 (client side) and the cache hit rate, as a
 table and as JSON under bench/results/, with the share of a core the clients themselves took
 (all of them run in one thread on one selector, bench/sse_clients.py, so that the load
-generator takes as little as it can of the CPU the server runs on). Without ``--url`` it
+generator takes as little as it can of the CPU the server runs on). ``--rounds R`` runs the
+levels R times in turn and pools each level's answers, so that a slow spell of the machine
+falls on every level alike; the ratios of each round are printed too. Without ``--url`` it
 starts its own server.
 """
 
@@ -200,7 +203,13 @@ def run_level(url, headers, tok, args, concurrency: int, rng: random.Random, ram
         lambda *a: results.append(record(*a)),
     )
     wall = time.perf_counter() - t0
-    client_cpu = time.process_time() - cpu0
+    return summarize(concurrency, ramp_s, results, wall, time.process_time() - cpu0)
+
+
+def summarize(
+    concurrency: int, ramp_s: float, results: list[dict], wall: float, client_cpu: float
+) -> dict:
+    """A level's figures over its answers (several rounds' answers pooled, walls added)."""
     ttft = [r["ttft_ms"] for r in results]
     tpot = [r["tpot_ms"] for r in results]
     out_tokens = sum(r["completion_tokens"] for r in results)
@@ -222,6 +231,31 @@ def run_level(url, headers, tok, args, concurrency: int, rng: random.Random, ram
     }
 
 
+def pooled(rounds: list[list[dict]]) -> list[dict]:
+    """Each level's answers from every round together."""
+    out = []
+    for same in zip(*rounds, strict=True):
+        out.append(
+            summarize(
+                same[0]["concurrency"],
+                same[-1]["ramp_s"],
+                [r for lvl in same for r in lvl["per_request"]],
+                sum(lvl["wall_s"] for lvl in same),
+                sum(lvl["client_cpu_share"] * lvl["wall_s"] for lvl in same),
+            )
+        )
+    return out
+
+
+def goals_of(levels: list[dict]) -> dict:
+    base, top = levels[0], levels[-1]
+    return {
+        "throughput_x": top["output_tokens_per_s"] / base["output_tokens_per_s"],
+        "ttft_p50_x": top["ttft_p50_ms"] / base["ttft_p50_ms"],
+        "tpot_p99_over_1client_p50": top["tpot_p99_ms"] / base["tpot_p50_ms"],
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", help="a running server (default: start one on a temporary SQLite)")
@@ -239,6 +273,13 @@ def main() -> int:
         help="answer lengths are uniform in output-tokens * (1 +- spread); 0: all equal",
     )
     ap.add_argument("--requests-per-client", type=int, default=4)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the concurrency levels this many times in turn and pool each level's "
+        "answers (the machine's speed drifts; levels run side by side compare fairly)",
+    )
     ap.add_argument(
         "--ramp-s",
         default="auto",
@@ -267,22 +308,25 @@ def main() -> int:
         url = srv.url
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     rng = random.Random(args.seed)
-    levels = []
+    rounds: list[list[dict]] = []
     try:
         ramp = 0.0 if args.ramp_s == "auto" else float(args.ramp_s)
-        for n in args.concurrency:
-            lvl = run_level(url, headers, tok, args, n, rng, ramp if n > 1 else 0.0)
-            levels.append(lvl)
-            if args.ramp_s == "auto" and len(levels) == 1:
-                ramp = statistics.mean(r["e2e_ms"] for r in lvl["per_request"]) / 1000
-            print(
-                json.dumps({k: v for k, v in lvl.items() if k != "per_request"}),
-                file=sys.stderr,
-                flush=True,
-            )
+        for _ in range(args.rounds):
+            rounds.append([])
+            for n in args.concurrency:
+                lvl = run_level(url, headers, tok, args, n, rng, ramp if n > 1 else 0.0)
+                rounds[-1].append(lvl)
+                if args.ramp_s == "auto" and len(rounds) == 1 and len(rounds[0]) == 1:
+                    ramp = statistics.mean(r["e2e_ms"] for r in lvl["per_request"]) / 1000
+                print(
+                    json.dumps({k: v for k, v in lvl.items() if k != "per_request"}),
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         if srv is not None:
             srv.stop()
+    levels = pooled(rounds)
     base = levels[0]
     print(
         f"\nworkload: {args.groups} manuals x {args.prompts_per_group} questions, manual "
@@ -312,16 +356,20 @@ def main() -> int:
         f"tokens/s ({llama_source})"
     )
     top = levels[-1]
-    goals = {
-        "throughput_x": top["output_tokens_per_s"] / base["output_tokens_per_s"],
-        "ttft_p50_x": top["ttft_p50_ms"] / base["ttft_p50_ms"],
-        "tpot_p99_over_1client_p50": top["tpot_p99_ms"] / base["tpot_p50_ms"],
-    }
-    print(
-        f"at {top['concurrency']} clients: output tok/s {goals['throughput_x']:.2f}x (goal >= 4), "
-        f"TTFT p50 {goals['ttft_p50_x']:.2f}x (goal < 3), TPOT p99 / 1-client TPOT p50 "
-        f"{goals['tpot_p99_over_1client_p50']:.2f}x (goal < 3)"
-    )
+    goals = goals_of(levels)
+    by_round = [goals_of(r) for r in rounds]
+
+    def ratios(g: dict) -> str:
+        return (
+            f"output tok/s {g['throughput_x']:.2f}x (goal >= 4), TTFT p50 {g['ttft_p50_x']:.2f}x "
+            f"(goal < 3), TPOT p99 / 1-client TPOT p50 {g['tpot_p99_over_1client_p50']:.2f}x "
+            "(goal < 3)"
+        )
+
+    print(f"at {top['concurrency']} clients: {ratios(goals)}")
+    if len(rounds) > 1:
+        for i, g in enumerate(by_round, 1):
+            print(f"  round {i}: {ratios(g)}")
     RESULTS.mkdir(exist_ok=True)
     machine = f"{cpu_model()}, {os.cpu_count()} cores"
     out = RESULTS / f"load-{dt.date.today().isoformat()}.json"
@@ -334,8 +382,13 @@ def main() -> int:
             {
                 "machine": machine,
                 "args": vars(args),
-                "levels": levels,
+                "levels": levels,  # every round's answers pooled per level
                 "goals": goals,
+                "goals_by_round": by_round,
+                "rounds": [
+                    [{k: v for k, v in lvl.items() if k != "per_request"} for lvl in r]
+                    for r in rounds
+                ],
                 "decode_tokens_per_s_1_client": decode,
                 "llama_cpp_decode_tokens_per_s": llama,
                 "llama_cpp_decode_source": llama_source,
