@@ -342,6 +342,7 @@ class EngineRunner:
             "prefix_cache_hits": s.num_prefix_hits,
             "prefix_cache_hits_device": s.num_prefix_hits - s.num_prefix_hits_tier,
             "prefix_cache_hits_redis": s.num_prefix_hits_tier,
+            "prefix_cache_hits_copied": s.num_prefix_hits_copied,
             "prompt_tokens_computed": e.prompt_tokens_computed,
             "generation_tokens": e.generation_tokens,
             "num_preemptions": s.num_preemptions,

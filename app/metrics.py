@@ -50,6 +50,12 @@ class _EngineCollector:
             labels=["tier"],
         )
         yield counter(
+            "docqa:prefix_cache_copied_tokens",
+            "Of the device hits, tokens past the last full cached block whose KV slots were "
+            "copied from a cached block holding them",
+            "prefix_cache_hits_copied",
+        )
+        yield counter(
             "docqa:prompt_tokens_computed",
             "Prompt tokens run through the model (recompute included)",
             "prompt_tokens_computed",

@@ -58,6 +58,7 @@ class Scheduler:
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
         self.num_prefix_hits_tier = 0  # of those, tokens loaded from the second tier
+        self.num_prefix_hits_copied = 0  # of those, tokens copied into a fresh block
         self.num_deferred_admissions = 0  # waits for a prefix another request was computing
 
     def add(self, req: Request, reserved_blocks: int = 0) -> None:
@@ -209,6 +210,7 @@ class Scheduler:
                 if req.use_cache:
                     self.num_prefix_queries += req.num_prompt_tokens
                     self.num_prefix_hits += num_cached
+                    self.num_prefix_hits_copied += cached.num_copied_tokens if cached else 0
                     if req.tier_loaded and cached is not None:
                         n_tier = bs * sum(1 for h in cached.block_hashes if h in req.tier_loaded)
                         req.num_tier_cached_tokens = n_tier

@@ -134,7 +134,16 @@ def test_metrics_cover_the_scheduler(sqlite_server):
     with sqlite_server.client() as c:
         m = c.post("/v1/manuals", json={"title": "t", "text": f"{time.time()} {SAMPLE}"}).json()
         ask(c, m["id"], "Which option compresses?", max_tokens=3)
+        before = metrics(c).get("docqa:prefix_cache_copied_tokens_total", 0)
+        # the manual's last tokens, past its last full block, and the question's opening
+        # template tokens are copied from the block the first question filled
+        u = ask(c, m["id"], "Which option lists?", max_tokens=3)["usage"]
         names = metrics(c)
+        engine = c.get("/v1/engine").json()
+    copied = names["docqa:prefix_cache_copied_tokens_total"] - before
+    assert 0 < copied < 16 and u["cached_tokens"] % 16 == copied
+    total = names["docqa:prefix_cache_copied_tokens_total"]
+    assert engine["prefix_cache_copied_tokens_total"] == total
     for n in (
         "docqa:scheduler_step_seconds_count",
         "docqa:batch_size_count",

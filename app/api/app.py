@@ -109,6 +109,7 @@ async def engine_info(state: State) -> EngineInfo:
         prompt_tokens_total=c["prompt_tokens"],
         prefix_cache_queries_total=queries,
         prefix_cache_hits_total=c["prefix_cache_hits"],
+        prefix_cache_copied_tokens_total=c["prefix_cache_hits_copied"],
         prompt_tokens_computed_total=c["prompt_tokens_computed"],
         generation_tokens_total=c["generation_tokens"],
         num_preemptions_total=c["num_preemptions"],

@@ -149,6 +149,7 @@ class EngineInfo(Struct):
     prompt_tokens_total: int
     prefix_cache_queries_total: int
     prefix_cache_hits_total: int
+    prefix_cache_copied_tokens_total: int  # of those, copied into the request's own block
     prompt_tokens_computed_total: int
     generation_tokens_total: int
     num_preemptions_total: int
