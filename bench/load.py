@@ -226,6 +226,7 @@ def summarize(
         "tpot_p99_ms": pct(tpot, 0.99),
         "cache_hit_rate": sum(r["cached_tokens"] for r in results)
         / sum(r["prompt_tokens"] for r in results),
+        "client_cpu_s": client_cpu,
         "client_cpu_share": client_cpu / wall,  # of one core, taken by this load generator
         "per_request": results,
     }
@@ -241,7 +242,7 @@ def pooled(rounds: list[list[dict]]) -> list[dict]:
                 same[-1]["ramp_s"],
                 [r for lvl in same for r in lvl["per_request"]],
                 sum(lvl["wall_s"] for lvl in same),
-                sum(lvl["client_cpu_share"] * lvl["wall_s"] for lvl in same),
+                sum(lvl["client_cpu_s"] for lvl in same),
             )
         )
     return out

@@ -221,8 +221,7 @@ class BlockPool:
         by its only holder) as a copy source after ``parent_hash``."""
         if block.block_hash is not None or block.ref_cnt != 1 or not token_ids:
             return
-        if block.parent_hash is not None:
-            self._drop_child(block)
+        # the block came from ``allocate``, which dropped any earlier tail or hash it held
         block.parent_hash = parent_hash
         block.token_ids = token_ids
         self._add_child(block)
