@@ -97,7 +97,7 @@ class _Timer:
         model = self.engine.model
         self._wrap(Linear, "__call__", "linears")
         self._wrap(model.attn_backend, "attention", "attention")
-        for f in ("add_rms_norm_bf16", "silu_mul_bf16", "rotary_store_bf16"):
+        for f in ("add_rms_norm", "silu_mul", "rotary_store"):
             self._wrap(cpu_kernels, f, "element-wise")
         return self
 

@@ -323,7 +323,8 @@ def linear_bf16_amx(
 
 @functools.cache
 def elementwise_library() -> ctypes.CDLL | None:
-    """The compiled fused element-wise steps (bf16), or None where they do not build."""
+    """The compiled fused element-wise steps (bf16 and float32), or None where they do not
+    build."""
     if os.environ.get("DOCQA_CPU_KERNELS", "1") == "0":
         return None
     try:
@@ -332,21 +333,29 @@ def elementwise_library() -> ctypes.CDLL | None:
         log.warning("fused element-wise kernels unavailable, using torch's: %s", e)
         return None
     p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    lib.docqa_add_rms_norm_bf16.argtypes = [p, i64, p, i64, p, p, i64, i, i, f, i]
-    lib.docqa_add_rms_norm_bf16.restype = i
-    lib.docqa_silu_mul_bf16.argtypes = [p, i64, i, i, p, i64, i]
-    lib.docqa_silu_mul_bf16.restype = i
-    lib.docqa_rotary_store_bf16.argtypes = [p, i64, i, i, i, i, p, p, p, p, p, p, i]
-    lib.docqa_rotary_store_bf16.restype = i
+    for suffix in ("bf16", "f32"):
+        fn = getattr(lib, f"docqa_add_rms_norm_{suffix}")
+        fn.argtypes, fn.restype = [p, i64, p, i64, p, p, i64, i, i, f, i], i
+        fn = getattr(lib, f"docqa_silu_mul_{suffix}")
+        fn.argtypes, fn.restype = [p, i64, i, i, p, i64, i], i
+        fn = getattr(lib, f"docqa_rotary_store_{suffix}")
+        fn.argtypes, fn.restype = [p, i64, i, i, i, i, p, p, p, p, p, p, i], i
     return lib
 
 
+_ELEMENTWISE_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+def _elementwise(name: str, dtype: torch.dtype):
+    return getattr(elementwise_library(), f"docqa_{name}_{_ELEMENTWISE_SUFFIX[dtype]}")
+
+
 def fused_elementwise_supports(x: torch.Tensor) -> bool:
-    """Whether ``add_rms_norm_bf16`` and ``silu_mul_bf16`` take this activation (bf16 on
-    the CPU, rows dense) here."""
+    """Whether ``add_rms_norm``, ``silu_mul`` and ``rotary_store`` take this activation
+    (bf16 or float32 on the CPU, rows dense) here."""
     return (
         x.device.type == "cpu"
-        and x.dtype == torch.bfloat16
+        and x.dtype in _ELEMENTWISE_SUFFIX
         and x.dim() == 2
         and x.stride(1) == 1
         and x.shape[1] % 16 == 0
@@ -354,20 +363,21 @@ def fused_elementwise_supports(x: torch.Tensor) -> bool:
     )
 
 
-def add_rms_norm_bf16(
-    h: torch.Tensor,  # [n, d] bf16, the residual stream: updated in place when delta is given
-    delta: torch.Tensor | None,  # [n, d] bf16
-    weight: torch.Tensor,  # [d] bf16
+def add_rms_norm(
+    h: torch.Tensor,  # [n, d] bf16 or float32, the residual stream: updated in place with delta
+    delta: torch.Tensor | None,  # [n, d], h's dtype
+    weight: torch.Tensor,  # [d], h's dtype
     eps: float,
 ) -> torch.Tensor:
-    """``h += delta`` (rounded to bf16), then RMSNorm of each row of h with ``weight``, as
-    ``layers.rms_norm`` computes it; one pass per row."""
+    """``h += delta`` (in bf16 rounded to bf16), then RMSNorm of each row of h with
+    ``weight``, as ``layers.rms_norm`` computes it; one pass per row."""
     n, d = h.shape
     if delta is not None:
         assert delta.shape == h.shape and delta.dtype == h.dtype and delta.stride(1) == 1
+    assert weight.dtype == h.dtype
     w = weight.contiguous()
     x = h.new_empty(n, d)
-    rc = elementwise_library().docqa_add_rms_norm_bf16(
+    rc = _elementwise("add_rms_norm", h.dtype)(
         h.data_ptr(),
         h.stride(0),
         None if delta is None else delta.data_ptr(),
@@ -381,32 +391,34 @@ def add_rms_norm_bf16(
         torch.get_num_threads(),
     )
     if rc != 0:
-        raise ValueError(f"add_rms_norm_bf16: bad shape {tuple(h.shape)}")
+        raise ValueError(f"add_rms_norm: bad shape {tuple(h.shape)}")
     return x
 
 
-def silu_mul_bf16(gu: torch.Tensor, inter: int) -> torch.Tensor:
-    """[n, 2 * inter] bf16 (gate, then up) -> bf16(silu(gate) * up), [n, inter]."""
+def silu_mul(gu: torch.Tensor, inter: int) -> torch.Tensor:
+    """[n, 2 * inter] bf16 or float32 (gate, then up) -> silu(gate) * up, [n, inter] (in bf16
+    rounded once)."""
     n = gu.shape[0]
     assert gu.shape[1] == 2 * inter and gu.stride(1) == 1
     out = gu.new_empty(n, inter)
-    rc = elementwise_library().docqa_silu_mul_bf16(
+    rc = _elementwise("silu_mul", gu.dtype)(
         gu.data_ptr(), gu.stride(0), n, inter, out.data_ptr(), inter, torch.get_num_threads()
     )
     if rc != 0:
-        raise ValueError(f"silu_mul_bf16: bad shape {tuple(gu.shape)}")
+        raise ValueError(f"silu_mul: bad shape {tuple(gu.shape)}")
     return out
 
 
-def rotary_store_bf16(
-    qkv: torch.Tensor,  # [n, (heads + 2 kv heads) * d] bf16, rows dense: q and k rotated in place
+def rotary_store(
+    qkv: torch.Tensor,  # [n, (heads + 2 kv heads) * d] bf16 or float32, rows dense: q and k
+    # rotated in place
     num_heads: int,
     num_kv_heads: int,
     positions: torch.Tensor,  # [n] int64
-    cos: torch.Tensor,  # [max positions, d] bf16
+    cos: torch.Tensor,  # [max positions, d], qkv's dtype
     sin: torch.Tensor,
     slots: torch.Tensor,  # [n] int64, the token's cache slot (block * block_size + offset), -1 none
-    k_cache: torch.Tensor,  # [blocks, block_size, kv heads, d] bf16
+    k_cache: torch.Tensor,  # [blocks, block_size, kv heads, d], qkv's dtype
     v_cache: torch.Tensor,
 ) -> None:
     """Rotary embedding of the query and key heads in place, then each token's key and value
@@ -416,7 +428,8 @@ def rotary_store_bf16(
     assert qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * d
     assert cos.is_contiguous() and sin.is_contiguous() and k_cache.is_contiguous()
     assert v_cache.is_contiguous() and positions.dtype == slots.dtype == torch.int64
-    rc = elementwise_library().docqa_rotary_store_bf16(
+    assert cos.dtype == sin.dtype == k_cache.dtype == v_cache.dtype == qkv.dtype
+    rc = _elementwise("rotary_store", qkv.dtype)(
         qkv.data_ptr(),
         qkv.stride(0),
         n,
@@ -432,7 +445,7 @@ def rotary_store_bf16(
         torch.get_num_threads(),
     )
     if rc != 0:
-        raise ValueError(f"rotary_store_bf16: bad shape {tuple(qkv.shape)}")
+        raise ValueError(f"rotary_store: bad shape {tuple(qkv.shape)}")
 
 
 def decode_kernel_supports(

@@ -277,22 +277,22 @@ class LlamaModel:
         return q
 
     def _forward_fused(self, h, positions, meta, kv_caches, logits_indices) -> torch.Tensor:
-        """``forward`` in bf16 on the CPU with the element-wise steps fused
-        (``cpu_kernels.add_rms_norm_bf16``, ``silu_mul_bf16``, ``rotary_store_bf16``): each
-        residual add goes into the next RMSNorm's pass, h is updated in place, and rotary
-        embedding and the cache store are one pass over the qkv rows (bf16 caches)."""
+        """``forward`` on the CPU (bf16 or float32) with the element-wise steps fused
+        (``cpu_kernels.add_rms_norm``, ``silu_mul``, ``rotary_store``): each residual add goes
+        into the next RMSNorm's pass, h is updated in place, and rotary embedding and the
+        cache store are one pass over the qkv rows (caches in the compute dtype)."""
         cfg = self.cfg
         eps, inter = cfg.rms_norm_eps, cfg.intermediate_size
         qd = cfg.num_heads * cfg.head_dim
         n = h.shape[0]
         h = h.contiguous()
         delta = None  # the last layer's MLP output, not yet added to h
-        cos_sin = None  # gathered once if a cache is not bf16 (the torch rotary path)
+        cos_sin = None  # gathered once if a cache is in another dtype (the torch rotary path)
         for lw, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = cpu_kernels.add_rms_norm_bf16(h, delta, lw.input_norm, eps)
+            x = cpu_kernels.add_rms_norm(h, delta, lw.input_norm, eps)
             qkv = lw.qkv(x)
-            if k_cache.dtype == torch.bfloat16 and n:
-                cpu_kernels.rotary_store_bf16(
+            if k_cache.dtype == qkv.dtype and n:
+                cpu_kernels.rotary_store(
                     qkv,
                     cfg.num_heads,
                     cfg.num_kv_heads,
@@ -309,8 +309,8 @@ class LlamaModel:
                     cos_sin = self.rotary.gather(positions)
                 q = self._rotate_and_store(qkv, cos_sin, meta, k_cache, v_cache)
             attn = self.attn_backend.attention(q, k_cache, v_cache, meta, self.scale)
-            x = cpu_kernels.add_rms_norm_bf16(h, lw.o_proj(attn.reshape(n, qd)), lw.post_norm, eps)
-            delta = lw.down(cpu_kernels.silu_mul_bf16(lw.gate_up(x), inter))
+            x = cpu_kernels.add_rms_norm(h, lw.o_proj(attn.reshape(n, qd)), lw.post_norm, eps)
+            delta = lw.down(cpu_kernels.silu_mul(lw.gate_up(x), inter))
         h = h[logits_indices] + delta[logits_indices]
-        h = cpu_kernels.add_rms_norm_bf16(h, None, self.final_norm, eps)
+        h = cpu_kernels.add_rms_norm(h, None, self.final_norm, eps)
         return self.lm_head(h).float()

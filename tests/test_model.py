@@ -260,8 +260,8 @@ def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
     cpu_kernels.elementwise_library() is None, reason="the element-wise kernels do not build here"
 )
 def test_fused_elementwise_steps_match_torch_and_keep_rows_apart():
-    """add_rms_norm_bf16 adds the residual with torch's rounding (the same bits) and
-    normalizes within one bf16 step of layers.rms_norm; silu_mul_bf16 within one step of
+    """add_rms_norm in bf16 adds the residual with torch's rounding (the same bits) and
+    normalizes within one bf16 step of layers.rms_norm; silu_mul within one step of
     torch's silu(gate) * up; a row alone gets the bits it gets in the call."""
     from inference.layers import rms_norm
 
@@ -273,29 +273,29 @@ def test_fused_elementwise_steps_match_torch_and_keep_rows_apart():
     h_ref = h + delta
     x_ref = rms_norm(h_ref, w, 1e-5)
     h_ours = h.clone()
-    x = cpu_kernels.add_rms_norm_bf16(h_ours, delta, w, 1e-5)
+    x = cpu_kernels.add_rms_norm(h_ours, delta, w, 1e-5)
     assert torch.equal(h_ours, h_ref)
     assert _ulps_apart(x, x_ref) <= 1
-    assert torch.equal(cpu_kernels.add_rms_norm_bf16(h_ref.clone(), None, w, 1e-5), x)
+    assert torch.equal(cpu_kernels.add_rms_norm(h_ref.clone(), None, w, 1e-5), x)
     for r in (0, 17, 36):
         one = h[r : r + 1].clone()
         assert torch.equal(
-            cpu_kernels.add_rms_norm_bf16(one, delta[r : r + 1], w, 1e-5), x[r : r + 1]
+            cpu_kernels.add_rms_norm(one, delta[r : r + 1], w, 1e-5), x[r : r + 1]
         )
 
     gu = (torch.randn(n, 2 * inter, generator=gen) * 4).bfloat16()
     gu[0, :8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 60.0, -60.0, 100.0, -100.0])
     ref = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-    got = cpu_kernels.silu_mul_bf16(gu, inter)
+    got = cpu_kernels.silu_mul(gu, inter)
     assert _ulps_apart(got, ref) <= 1
-    assert torch.equal(cpu_kernels.silu_mul_bf16(gu[5:6], inter), got[5:6])
+    assert torch.equal(cpu_kernels.silu_mul(gu[5:6], inter), got[5:6])
 
 
 @pytest.mark.skipif(
     cpu_kernels.elementwise_library() is None, reason="the element-wise kernels do not build here"
 )
 def test_fused_rotary_and_store_match_torch():
-    """rotary_store_bf16 rotates query and key heads at least as close to float64 as
+    """rotary_store in bf16 rotates query and key heads at least as close to float64 as
     RotaryTable.apply (which rounds after each product and sum; the kernel rounds once), and
     within one bf16 step of the float64 result; stores each token's
     rotated key and its value in its slot, leaves other slots and values untouched, and skips
@@ -323,7 +323,7 @@ def test_fused_rotary_and_store_match_torch():
     v_cache = torch.zeros(4, 8, kvh, d, dtype=torch.bfloat16)
     ref = rot.apply(qkv[:, : (heads + kvh) * d].view(n, heads + kvh, d), rot.gather(positions))
     got = qkv.clone()
-    cpu_kernels.rotary_store_bf16(
+    cpu_kernels.rotary_store(
         got, heads, kvh, positions, rot.cos, rot.sin, slots, k_cache, v_cache
     )
     x = qkv[:, : (heads + kvh) * d].view(n, heads + kvh, d).double()
@@ -341,3 +341,78 @@ def test_fused_rotary_and_store_match_torch():
             assert torch.equal(flat_v[s], qkv[t, (heads + kvh) * d :])
     untouched = [s for s in range(32) if s not in slots.tolist()]
     assert not flat_k[untouched].any() and not flat_v[untouched].any()
+
+
+@pytest.mark.skipif(
+    cpu_kernels.elementwise_library() is None, reason="the element-wise kernels do not build here"
+)
+def test_fused_elementwise_steps_in_float32_match_torch_and_keep_rows_apart():
+    """In float32: add_rms_norm adds the residual exactly as torch does and normalizes within
+    a few units in the last place of layers.rms_norm, silu_mul of F.silu(g) * u, rotary_store
+    of RotaryTable.apply, with the rotated keys and the values in their slots; a row alone
+    gets the bits it gets in a call of many."""
+    from inference.layers import RotaryTable, rms_norm
+
+    gen = torch.Generator().manual_seed(12)
+    n, d, inter = 37, 576, 1536
+    h = torch.randn(n, d, generator=gen) * 3
+    delta = torch.randn(n, d, generator=gen)
+    w = torch.rand(d, generator=gen) + 0.5
+    h_ref = h + delta
+    h_ours = h.clone()
+    x = cpu_kernels.add_rms_norm(h_ours, delta, w, 1e-5)
+    assert torch.equal(h_ours, h_ref)
+    torch.testing.assert_close(x, rms_norm(h_ref, w, 1e-5), rtol=4e-7, atol=0)
+    assert torch.equal(cpu_kernels.add_rms_norm(h_ref.clone(), None, w, 1e-5), x)
+    for r in (0, 17, 36):
+        one = h[r : r + 1].clone()
+        assert torch.equal(cpu_kernels.add_rms_norm(one, delta[r : r + 1], w, 1e-5), x[r : r + 1])
+
+    gu = torch.randn(n, 2 * inter, generator=gen) * 4
+    gu[0, :8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 60.0, -60.0, 100.0, -100.0])
+    got = cpu_kernels.silu_mul(gu, inter)
+    ref = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-30)
+    assert torch.equal(cpu_kernels.silu_mul(gu[5:6], inter), got[5:6])
+    odd = torch.randn(3, 2 * 13, generator=gen) * 4  # a row's last elements past whole vectors
+    torch.testing.assert_close(
+        cpu_kernels.silu_mul(odd, 13),
+        torch.nn.functional.silu(odd[:, :13]) * odd[:, 13:],
+        rtol=1e-6,
+        atol=1e-30,
+    )
+
+    cfg = ModelConfig(
+        vocab_size=32,
+        hidden_size=96,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=3,
+        num_kv_heads=1,
+        head_dim=32,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+    )
+    rot = RotaryTable(cfg, 256, torch.float32)
+    heads, kvh, hd = 3, 1, 32
+    qkv = torch.randn(9, (heads + 2 * kvh) * hd, generator=gen)
+    positions = torch.tensor([0, 1, 2, 50, 51, 200, 7, 8, 255])
+    slots = torch.tensor([3, 4, 5, -1, 17, 30, 0, 1, 31])
+    k_cache = torch.zeros(4, 8, kvh, hd)
+    v_cache = torch.zeros(4, 8, kvh, hd)
+    qk = (heads + kvh) * hd
+    ref = rot.apply(qkv[:, :qk].view(9, heads + kvh, hd), rot.gather(positions))
+    got = qkv.clone()
+    cpu_kernels.rotary_store(got, heads, kvh, positions, rot.cos, rot.sin, slots, k_cache, v_cache)
+    torch.testing.assert_close(got[:, :qk].view(9, heads + kvh, hd), ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[:, qk:], qkv[:, qk:])
+    flat_k, flat_v = k_cache.view(32, kvh * hd), v_cache.view(32, kvh * hd)
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(flat_k[s], got[t, heads * hd : qk])
+            assert torch.equal(flat_v[s], qkv[t, qk:])
+    one = qkv[5:6].clone()
+    cpu_kernels.rotary_store(
+        one, heads, kvh, positions[5:6], rot.cos, rot.sin, torch.tensor([-1]), k_cache, v_cache
+    )
+    assert torch.equal(one, got[5:6])

@@ -192,24 +192,45 @@ static inline __attribute__((always_inline)) void run_keys(
     vf part[MAX_ROWS][LANES];
     vf kv[MAX_DIM / LANES];
     vf s[MAX_ROWS][ROUND / LANES];
-    int64_t row_at[ROUND]; /* element offset of each key of the round */
+    int64_t at[2][ROUND]; /* element offset of each key's row: this round, the next */
+    const int esize = kv_dtype == DT_BF16 ? 2 : 4;
+    const int row_bytes = dim * esize;
     int blk = from / block_size, in_blk = from % block_size;
-    for (int r0 = from; r0 < to; r0 += ROUND) {
+#define ROWS_OF(dst, count)                                                                    \
+    for (int j = 0; j < (count); j++) {                                                        \
+        (dst)[j] = ((int64_t)table[blk] * block_size + in_blk) * key_stride +                 \
+                   (int64_t)kv_head * dim;                                                     \
+        if (++in_blk == block_size) {                                                          \
+            in_blk = 0;                                                                        \
+            blk++;                                                                             \
+        }                                                                                      \
+    }
+    /* a context's blocks lie anywhere in a pool far larger than the caches, and a KV head's
+     * row is a few lines of each key's: the hardware prefetcher does not follow them. The
+     * next round's K and V rows are fetched while this one computes (the first round's V
+     * rows while its scores are computed); prefetches change no result. */
+    ROWS_OF(at[0], to - from < ROUND ? to - from : ROUND);
+    for (int r0 = from, cur = 0; r0 < to; r0 += ROUND, cur ^= 1) {
         const int n = to - r0 < ROUND ? to - r0 : ROUND;
         const int groups = (n + LANES - 1) / LANES;
-        for (int j = 0; j < n; j++) {
-            row_at[j] = ((int64_t)table[blk] * block_size + in_blk) * key_stride +
-                        (int64_t)kv_head * dim;
-            if (++in_blk == block_size) {
-                in_blk = 0;
-                blk++;
-            }
-        }
+        const int64_t *row_at = at[cur];
+        const int n2 = r0 + ROUND < to ? (to - r0 - ROUND < ROUND ? to - r0 - ROUND : ROUND) : 0;
+        ROWS_OF(at[cur ^ 1], n2);
+        const int64_t *next_at = at[cur ^ 1];
         /* scores of the rows against the round's keys, LANES keys per vector */
         for (int q16 = 0; q16 < groups; q16++) {
             const int j0 = q16 * LANES;
             const int nj = n - j0 < LANES ? n - j0 : LANES;
             for (int j = 0; j < nj; j++) {
+                /* the next round's rows of this key, spread over the round's work */
+                if (j0 + j < n2)
+                    for (int c = 0; c < row_bytes; c += 64) {
+                        __builtin_prefetch((const char *)k_cache + next_at[j0 + j] * esize + c, 0, 2);
+                        __builtin_prefetch((const char *)v_cache + next_at[j0 + j] * esize + c, 0, 2);
+                    }
+                if (r0 == from)
+                    for (int c = 0; c < row_bytes; c += 64)
+                        __builtin_prefetch((const char *)v_cache + row_at[j0 + j] * esize + c, 0, 2);
                 load_row(k_cache, row_at[j0 + j], kv_dtype, chunks, kv);
                 for (int g = lo; g < hi; g++) {
                     vf d = st->q[g][0] * kv[0];
@@ -248,6 +269,8 @@ static inline __attribute__((always_inline)) void run_keys(
         }
     }
 }
+
+#undef ROWS_OF
 
 /* One KV head of a group of tokens: token i's query heads are rows i * group .. + group. */
 static inline __attribute__((always_inline)) void attend_unit(

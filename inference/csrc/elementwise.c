@@ -1,5 +1,5 @@
-/* The model's element-wise steps in bf16, fused: one pass over a row where torch takes one
- * call (and one rounding to bf16) per operation.
+/* The model's element-wise steps, fused: one pass over a row where torch takes one call (and,
+ * in bf16, one rounding) per operation. In bf16:
  *
  *   docqa_add_rms_norm_bf16: h += delta (rounded to bf16, the residual stream), then
  *       x = w * bf16(h * rsqrt(mean(h^2) + eps)), as Llama's RMSNorm (float32 inside, the
@@ -7,6 +7,9 @@
  *   docqa_silu_mul_bf16: out = bf16(silu(g) * u) for the gate and up halves of a row;
  *   docqa_rotary_store_bf16: rotary embedding of the query and key heads in place, and the
  *       key and value heads written to the paged caches.
+ *
+ * and the same three in float32 (docqa_add_rms_norm_f32, docqa_silu_mul_f32,
+ * docqa_rotary_store_f32), with no rounding between the operations.
  *
  * Each row is computed from that row alone, its sum of squares in a fixed order (16 partial
  * sums over the row, then added in order): rows are batch-invariant.
@@ -117,6 +120,124 @@ int docqa_rotary_store_bf16(uint16_t *qkv, int64_t ldq, int n, int num_heads, in
         if (slots[t] >= 0) {
             memcpy(k_cache + slots[t] * kv_row, row + (int64_t)num_heads * dim, kv_row * 2);
             memcpy(v_cache + slots[t] * kv_row, row + (int64_t)rot * dim, kv_row * 2);
+        }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------
+ * float32: the same steps as layers.rms_norm, F.silu(g) * u and RotaryTable.apply plus the
+ * cache store compute them, within a few units in the last place (the sum of squares and the
+ * exponential are this file's, in a fixed order).
+ * ------------------------------------------------------------------------------------------ */
+
+int docqa_add_rms_norm_f32(float *h, int64_t ldh, const float *delta, int64_t ldd,
+                           const float *w, float *x, int64_t ldx, int rows, int dim, float eps,
+                           int num_threads) {
+    if (rows < 0 || dim <= 0 || dim % 16) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (rows >= 64)
+    for (int r = 0; r < rows; r++) {
+        float *hr = h + (int64_t)r * ldh;
+        if (delta) {
+            const float *dr = delta + (int64_t)r * ldd;
+            for (int i = 0; i < dim; i++) hr[i] += dr[i];
+        }
+        float part[16] = {0};
+        for (int i = 0; i < dim; i += 16)
+            for (int j = 0; j < 16; j++) part[j] += hr[i + j] * hr[i + j];
+        float ss = 0.0f;
+        for (int j = 0; j < 16; j++) ss += part[j];
+        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        float *xr = x + (int64_t)r * ldx;
+        for (int i = 0; i < dim; i++) xr[i] = w[i] * (hr[i] * inv);
+    }
+    return 0;
+}
+
+/* exp_nonpositive for 8 lanes at once (GCC vector extensions: the compiler does not
+ * vectorize the scalar one's selects), the same polynomial; lanes below -87 give exp(-87). */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline v8f v8_select(v8i mask, v8f a, v8f b) {
+    return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask));
+}
+
+static inline v8f exp_nonpositive8(v8f x) {
+    const v8f lo = (v8f){0} - 87.0f;
+    x = v8_select(x < lo, lo, x);
+    const v8f y0 = x * 1.44269504088896341f + 0.5f;
+    v8f n = __builtin_convertvector(__builtin_convertvector(y0, v8i), v8f); /* toward zero */
+    n += __builtin_convertvector(n > y0, v8f);                              /* floor */
+    const v8f r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v8f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+    return p * (v8f)bits;
+}
+
+/* silu(g) * u = g * u / (1 + exp(-g)), with exp(-|g|) so nothing overflows: for g >= 0 the
+ * sigmoid is 1 / (1 + e), else e / (1 + e). Elements past a multiple of 8 take the same
+ * arithmetic one lane at a time (a row's elements always take the same path). */
+int docqa_silu_mul_f32(const float *gu, int64_t ldg, int rows, int inter, float *out,
+                       int64_t ldo, int num_threads) {
+    if (rows < 0 || inter <= 0) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (rows >= 16)
+    for (int r = 0; r < rows; r++) {
+        const float *g = gu + (int64_t)r * ldg, *u = g + inter;
+        float *o = out + (int64_t)r * ldo;
+        const v8f one = (v8f){0} + 1.0f;
+        for (int i = 0; i < inter; i += 8) {
+            v8f a = {0}, b = {0};
+            const int m = inter - i < 8 ? inter - i : 8;
+            if (m == 8) { /* one vector load each */
+                memcpy(&a, g + i, sizeof a);
+                memcpy(&b, u + i, sizeof b);
+            } else {
+                memcpy(&a, g + i, sizeof(float) * m);
+                memcpy(&b, u + i, sizeof(float) * m);
+            }
+            const v8i sign = (v8i)a & (v8i){0} + (int32_t)0x80000000;
+            const v8f e = exp_nonpositive8((v8f)((v8i)a | (v8i){0} + (int32_t)0x80000000));
+            const v8f num = v8_select(sign != 0, e, one); /* exp(-|a|) above: |a| negated */
+            const v8f res = a * (num / (one + e)) * b;
+            if (m == 8)
+                memcpy(o + i, &res, sizeof res);
+            else
+                memcpy(o + i, &res, sizeof(float) * m);
+        }
+    }
+    return 0;
+}
+
+/* As docqa_rotary_store_bf16, in float32: cos and sin float32 tables [positions, dim], the
+ * caches float32. */
+int docqa_rotary_store_f32(float *qkv, int64_t ldq, int n, int num_heads, int num_kv_heads,
+                           int dim, const int64_t *positions, const float *cos_t,
+                           const float *sin_t, const int64_t *slots, float *k_cache,
+                           float *v_cache, int num_threads) {
+    if (n < 0 || dim <= 0 || dim % 2) return -1;
+    const int half = dim / 2, rot = num_heads + num_kv_heads;
+    const int64_t kv_row = (int64_t)num_kv_heads * dim;
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (n >= 64)
+    for (int t = 0; t < n; t++) {
+        float *row = qkv + (int64_t)t * ldq;
+        const float *c = cos_t + positions[t] * dim, *s = sin_t + positions[t] * dim;
+        for (int h = 0; h < rot; h++) {
+            float *x = row + (int64_t)h * dim;
+            for (int i = 0; i < half; i++) {
+                const float x1 = x[i], x2 = x[i + half];
+                x[i] = x1 * c[i] - x2 * s[i];
+                x[i + half] = x2 * c[i + half] + x1 * s[i + half];
+            }
+        }
+        if (slots[t] >= 0) {
+            memcpy(k_cache + slots[t] * kv_row, row + (int64_t)num_heads * dim, kv_row * 4);
+            memcpy(v_cache + slots[t] * kv_row, row + (int64_t)rot * dim, kv_row * 4);
         }
     }
     return 0;
