@@ -279,9 +279,7 @@ def test_fused_elementwise_steps_match_torch_and_keep_rows_apart():
     assert torch.equal(cpu_kernels.add_rms_norm(h_ref.clone(), None, w, 1e-5), x)
     for r in (0, 17, 36):
         one = h[r : r + 1].clone()
-        assert torch.equal(
-            cpu_kernels.add_rms_norm(one, delta[r : r + 1], w, 1e-5), x[r : r + 1]
-        )
+        assert torch.equal(cpu_kernels.add_rms_norm(one, delta[r : r + 1], w, 1e-5), x[r : r + 1])
 
     gu = (torch.randn(n, 2 * inter, generator=gen) * 4).bfloat16()
     gu[0, :8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 60.0, -60.0, 100.0, -100.0])
@@ -323,9 +321,7 @@ def test_fused_rotary_and_store_match_torch():
     v_cache = torch.zeros(4, 8, kvh, d, dtype=torch.bfloat16)
     ref = rot.apply(qkv[:, : (heads + kvh) * d].view(n, heads + kvh, d), rot.gather(positions))
     got = qkv.clone()
-    cpu_kernels.rotary_store(
-        got, heads, kvh, positions, rot.cos, rot.sin, slots, k_cache, v_cache
-    )
+    cpu_kernels.rotary_store(got, heads, kvh, positions, rot.cos, rot.sin, slots, k_cache, v_cache)
     x = qkv[:, : (heads + kvh) * d].view(n, heads + kvh, d).double()
     c = rot.cos[positions].double().unsqueeze(1)
     s_ = rot.sin[positions].double().unsqueeze(1)
