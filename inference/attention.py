@@ -410,6 +410,9 @@ def resolve_backend(name: str | None, device: torch.device) -> str:
 
 class TorchBackend:
     name = "torch"
+    # store_kv writes each token's K/V rows into its slot and nothing else, so the model may
+    # do that in its own fused pass (cpu_kernels.rotary_store) instead of calling it
+    plain_store = True
 
     def store_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
         store_kv_reference(key, value, k_cache, v_cache, meta)
@@ -564,6 +567,7 @@ class TritonBackend:
     not depend on whether prompt chunks share its step."""
 
     name = "triton"
+    plain_store = False  # the store is one of the kernels (store_kv): always called
 
     def __init__(self):
         from inference import triton_attention

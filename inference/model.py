@@ -287,11 +287,12 @@ class LlamaModel:
         n = h.shape[0]
         h = h.contiguous()
         delta = None  # the last layer's MLP output, not yet added to h
-        cos_sin = None  # gathered once if a cache is in another dtype (the torch rotary path)
+        cos_sin = None  # gathered once where the torch rotary path runs (a cache in another
+        # dtype, or a backend that stores K/V itself)
         for lw, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = cpu_kernels.add_rms_norm(h, delta, lw.input_norm, eps)
             qkv = lw.qkv(x)
-            if k_cache.dtype == qkv.dtype and n:
+            if k_cache.dtype == qkv.dtype and n and self.attn_backend.plain_store:
                 cpu_kernels.rotary_store(
                     qkv,
                     cfg.num_heads,

@@ -289,16 +289,9 @@ def test_fused_elementwise_steps_match_torch_and_keep_rows_apart():
     assert torch.equal(cpu_kernels.silu_mul(gu[5:6], inter), got[5:6])
 
 
-@pytest.mark.skipif(
-    cpu_kernels.elementwise_library() is None, reason="the element-wise kernels do not build here"
-)
-def test_fused_rotary_and_store_match_torch():
-    """rotary_store in bf16 rotates query and key heads at least as close to float64 as
-    RotaryTable.apply (which rounds after each product and sum; the kernel rounds once), and
-    within one bf16 step of the float64 result; stores each token's
-    rotated key and its value in its slot, leaves other slots and values untouched, and skips
-    tokens whose slot is -1."""
-    cfg = ModelConfig(
+def _rotary_config() -> ModelConfig:
+    """A one-layer config with 3 query heads and 1 KV head of 32 dims, 256 positions."""
+    return ModelConfig(
         vocab_size=32,
         hidden_size=96,
         intermediate_size=64,
@@ -309,6 +302,18 @@ def test_fused_rotary_and_store_match_torch():
         max_position_embeddings=256,
         rope_theta=10000.0,
     )
+
+
+@pytest.mark.skipif(
+    cpu_kernels.elementwise_library() is None, reason="the element-wise kernels do not build here"
+)
+def test_fused_rotary_and_store_match_torch():
+    """rotary_store in bf16 rotates query and key heads at least as close to float64 as
+    RotaryTable.apply (which rounds after each product and sum; the kernel rounds once), and
+    within one bf16 step of the float64 result; stores each token's
+    rotated key and its value in its slot, leaves other slots and values untouched, and skips
+    tokens whose slot is -1."""
+    cfg = _rotary_config()
     from inference.layers import RotaryTable
 
     rot = RotaryTable(cfg, 256, torch.bfloat16)
@@ -378,17 +383,7 @@ def test_fused_elementwise_steps_in_float32_match_torch_and_keep_rows_apart():
         atol=1e-30,
     )
 
-    cfg = ModelConfig(
-        vocab_size=32,
-        hidden_size=96,
-        intermediate_size=64,
-        num_layers=1,
-        num_heads=3,
-        num_kv_heads=1,
-        head_dim=32,
-        max_position_embeddings=256,
-        rope_theta=10000.0,
-    )
+    cfg = _rotary_config()
     rot = RotaryTable(cfg, 256, torch.float32)
     heads, kvh, hd = 3, 1, 32
     qkv = torch.randn(9, (heads + 2 * kvh) * hd, generator=gen)

@@ -179,6 +179,18 @@ typedef struct {
     float m[MAX_ROWS], l[MAX_ROWS];
 } Rows;
 
+/* Element offsets of the next `count` keys of a block table, from the running block position
+ * (blk, in_blk; advanced past them): each key's row of KV head kv_head, head size `dim`. */
+#define KEY_ROWS(dst, count, dim)                                                              \
+    for (int j = 0; j < (count); j++) {                                                        \
+        (dst)[j] = ((int64_t)table[blk] * block_size + in_blk) * key_stride +                 \
+                   (int64_t)kv_head * (dim);                                                   \
+        if (++in_blk == block_size) {                                                          \
+            in_blk = 0;                                                                        \
+            blk++;                                                                             \
+        }                                                                                      \
+    }
+
 /* Keys [from, to) of one context (from a multiple of ROUND) for rows [lo, hi). */
 static inline __attribute__((always_inline)) void run_keys(
     Rows *st, int lo, int hi, const void *k_cache, const void *v_cache, int kv_dtype,
@@ -196,26 +208,17 @@ static inline __attribute__((always_inline)) void run_keys(
     const int esize = kv_dtype == DT_BF16 ? 2 : 4;
     const int row_bytes = dim * esize;
     int blk = from / block_size, in_blk = from % block_size;
-#define ROWS_OF(dst, count)                                                                    \
-    for (int j = 0; j < (count); j++) {                                                        \
-        (dst)[j] = ((int64_t)table[blk] * block_size + in_blk) * key_stride +                 \
-                   (int64_t)kv_head * dim;                                                     \
-        if (++in_blk == block_size) {                                                          \
-            in_blk = 0;                                                                        \
-            blk++;                                                                             \
-        }                                                                                      \
-    }
     /* a context's blocks lie anywhere in a pool far larger than the caches, and a KV head's
      * row is a few lines of each key's: the hardware prefetcher does not follow them. The
      * next round's K and V rows are fetched while this one computes (the first round's V
      * rows while its scores are computed); prefetches change no result. */
-    ROWS_OF(at[0], to - from < ROUND ? to - from : ROUND);
+    KEY_ROWS(at[0], to - from < ROUND ? to - from : ROUND, dim);
     for (int r0 = from, cur = 0; r0 < to; r0 += ROUND, cur ^= 1) {
         const int n = to - r0 < ROUND ? to - r0 : ROUND;
         const int groups = (n + LANES - 1) / LANES;
         const int64_t *row_at = at[cur];
         const int n2 = r0 + ROUND < to ? (to - r0 - ROUND < ROUND ? to - r0 - ROUND : ROUND) : 0;
-        ROWS_OF(at[cur ^ 1], n2);
+        KEY_ROWS(at[cur ^ 1], n2, dim);
         const int64_t *next_at = at[cur ^ 1];
         /* scores of the rows against the round's keys, LANES keys per vector */
         for (int q16 = 0; q16 < groups; q16++) {
@@ -269,8 +272,6 @@ static inline __attribute__((always_inline)) void run_keys(
         }
     }
 }
-
-#undef ROWS_OF
 
 /* One KV head of a group of tokens: token i's query heads are rows i * group .. + group. */
 static inline __attribute__((always_inline)) void attend_unit(
@@ -618,24 +619,13 @@ static inline __attribute__((always_inline)) void bf_weighted_values(
     }
 }
 
-/* element offsets of keys [r, r + n) of a table, from the running block position */
-#define BF_ROWS_OF(dst, n)                                                                     \
-    for (int j = 0; j < (n); j++) {                                                            \
-        (dst)[j] = ((int64_t)table[blk] * block_size + in_blk) * key_stride +                 \
-                   (int64_t)kv_head * DIM;                                                     \
-        if (++in_blk == block_size) {                                                          \
-            in_blk = 0;                                                                        \
-            blk++;                                                                             \
-        }                                                                                      \
-    }
-
 /* the pool is far larger than the caches and a context's blocks lie anywhere in it: fetch
  * the next round's K and V rows while this one computes (the first round's V rows while its
  * K rows are staged) */
 #define BF_PREFETCH_ROUND()                                                                    \
     if (r0 + ROUND < to) {                                                                     \
         const int n2 = to - r0 - ROUND < ROUND ? to - r0 - ROUND : ROUND;                      \
-        BF_ROWS_OF(at[cur ^ 1], n2);                                                           \
+        KEY_ROWS(at[cur ^ 1], n2, DIM);                                                        \
         for (int j = 0; j < n2; j++)                                                           \
             for (int c = 0; c < DIM * 2; c += 64) {                                            \
                 _mm_prefetch((const char *)(k_cache + at[cur ^ 1][j]) + c, _MM_HINT_T1);       \
@@ -704,7 +694,7 @@ static inline __attribute__((always_inline)) void bf_run_keys(
         memset(pw[hi], 0, sizeof(pw[0]) * (end - hi));
     }
     int blk = from / block_size, in_blk = from % block_size;
-    BF_ROWS_OF(at[0], to - from < ROUND ? to - from : ROUND);
+    KEY_ROWS(at[0], to - from < ROUND ? to - from : ROUND, DIM);
     for (int r0 = from, cur = 0; r0 < to; r0 += ROUND, cur ^= 1) {
         const int n = to - r0 < ROUND ? to - r0 : ROUND;
         const int64_t *row_at = at[cur];
@@ -825,7 +815,6 @@ static inline __attribute__((always_inline)) void bf_run_keys(
         }
     }
 }
-#undef BF_ROWS_OF
 #undef BF_PREFETCH_ROUND
 
 static inline __attribute__((always_inline)) void bf_unit(
