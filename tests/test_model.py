@@ -402,6 +402,8 @@ def test_fused_elementwise_steps_in_float32_match_torch_and_keep_rows_apart():
         if s >= 0:
             assert torch.equal(flat_k[s], got[t, heads * hd : qk])
             assert torch.equal(flat_v[s], qkv[t, qk:])
+    untouched = [s for s in range(32) if s not in slots.tolist()]
+    assert not flat_k[untouched].any() and not flat_v[untouched].any()
     one = qkv[5:6].clone()
     cpu_kernels.rotary_store(
         one, heads, kvh, positions[5:6], rot.cos, rot.sin, torch.tensor([-1]), k_cache, v_cache
