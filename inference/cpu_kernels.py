@@ -346,7 +346,9 @@ def elementwise_library() -> ctypes.CDLL | None:
 _ELEMENTWISE_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
+@functools.cache
 def _elementwise(name: str, dtype: torch.dtype):
+    """The compiled step ``name`` for ``dtype`` (looked up once: it is called every layer)."""
     return getattr(elementwise_library(), f"docqa_{name}_{_ELEMENTWISE_SUFFIX[dtype]}")
 
 

@@ -180,9 +180,9 @@ static inline v8f exp_nonpositive8(v8f x) {
     return p * (v8f)bits;
 }
 
-/* silu(g) * u = g * u / (1 + exp(-g)), with exp(-|g|) so nothing overflows: for g >= 0 the
- * sigmoid is 1 / (1 + e), else e / (1 + e). Elements past a multiple of 8 take the same
- * arithmetic one lane at a time (a row's elements always take the same path). */
+/* silu(g) * u = g * u / (1 + exp(-g)), with e = exp(-|g|) so nothing overflows: for g >= 0
+ * the sigmoid is 1 / (1 + e), else e / (1 + e). A row's last elements past a multiple of 8
+ * go through the same vector arithmetic in a zero-padded vector. */
 int docqa_silu_mul_f32(const float *gu, int64_t ldg, int rows, int inter, float *out,
                        int64_t ldo, int num_threads) {
     if (rows < 0 || inter <= 0) return -1;
@@ -191,6 +191,7 @@ int docqa_silu_mul_f32(const float *gu, int64_t ldg, int rows, int inter, float 
         const float *g = gu + (int64_t)r * ldg, *u = g + inter;
         float *o = out + (int64_t)r * ldo;
         const v8f one = (v8f){0} + 1.0f;
+        const v8i sign_bit = (v8i){0} + INT32_MIN;
         for (int i = 0; i < inter; i += 8) {
             v8f a = {0}, b = {0};
             const int m = inter - i < 8 ? inter - i : 8;
@@ -201,9 +202,8 @@ int docqa_silu_mul_f32(const float *gu, int64_t ldg, int rows, int inter, float 
                 memcpy(&a, g + i, sizeof(float) * m);
                 memcpy(&b, u + i, sizeof(float) * m);
             }
-            const v8i sign = (v8i)a & (v8i){0} + (int32_t)0x80000000;
-            const v8f e = exp_nonpositive8((v8f)((v8i)a | (v8i){0} + (int32_t)0x80000000));
-            const v8f num = v8_select(sign != 0, e, one); /* exp(-|a|) above: |a| negated */
+            const v8f e = exp_nonpositive8((v8f)((v8i)a | sign_bit)); /* exp(-|a|) */
+            const v8f num = v8_select(((v8i)a & sign_bit) != 0, e, one);
             const v8f res = a * (num / (one + e)) * b;
             if (m == 8)
                 memcpy(o + i, &res, sizeof res);
