@@ -103,6 +103,8 @@ def decode_attention_library() -> ctypes.CDLL:
     fn = lib.docqa_attention_bf16
     fn.argtypes = [p, p, i, p, p, i, p, p, p, i64, p, i, i, i, i, f, p, p, i]
     fn.restype = i
+    lib.docqa_attention_bf16_exp.argtypes = [p, p, i64]
+    lib.docqa_attention_bf16_exp.restype = i
     lib.docqa_attention_bf16_dims.argtypes = []
     lib.docqa_attention_bf16_dims.restype = i
     lib.docqa_attention_amx_init.argtypes = []

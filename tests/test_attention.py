@@ -159,6 +159,22 @@ def test_bf16_kernel_is_about_as_close_as_the_reference(bs, heads, kvh, d):
     assert errs["cpu"] <= 1.5 * errs["torch"] + 1e-6, f"{errs} (seed {SEED})"
 
 
+def test_bf16_kernel_exponential_is_accurate():
+    """The bf16 kernels' softmax exponential within 3e-7 of exp in float64 over the range its
+    scores take (a score minus the running maximum, clamped at -87), exactly 1 at 0, and the
+    tail of an array that is not a multiple of the vector width computed too."""
+    _bf16_kernel()
+    inf = float("inf")
+    x = torch.cat([torch.linspace(-87, 0, 100_003), torch.tensor([-1e-30, -0.5, -200.0, -inf])])
+    out = torch.full_like(x, float("nan"))
+    lib = cpu_kernels.decode_attention_library()
+    assert lib.docqa_attention_bf16_exp(x.data_ptr(), out.data_ptr(), x.numel()) == 0
+    ref = x.double().clamp(min=-87).exp()
+    rel = ((out.double() - ref) / ref).abs()
+    assert rel.max().item() < 3e-7, f"worst at x = {x[rel.argmax()].item()}"
+    assert out[x == 0].eq(1).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_kernel_gives_a_prompt_token_the_bits_of_a_decode_token(dtype):
     """One path for every token: each token of a prompt chunk has the same bits as the same

@@ -421,6 +421,25 @@ int docqa_decode_attention(const void *q, int q_dtype, const int64_t *q_rows, in
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
+/* exp(x) for x <= 0 on AVX-512: exp_nonpositive's reduction and polynomial (x = n ln2 + r,
+ * Cephes' expf), with n rounded by vroundscaleps and the 2^n scaling by vscalefps, in half
+ * its instructions. */
+static inline __m512 bf_exp(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    const __m512 z = _mm512_mul_ps(r, r);
+    __m512 y = _mm512_fmadd_ps(r, _mm512_set1_ps(1.9875691500e-4f), _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_add_ps(_mm512_fmadd_ps(y, z, r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
+
 #define BF_MAX_ROWS 48 /* query rows per unit: 16 tokens of 3 query heads per KV head */
 /* walks of at least this many query rows take them in lanes (bf_run_keys): there the scores'
  * idle lanes (16 lanes, however many rows) cost less than the K transpose and the per-row
@@ -523,12 +542,12 @@ static inline __attribute__((always_inline)) void bf_softmax_row(BfRows *st, int
     for (int kb = 0; kb < ROUND / 16; kb++) {
         const __mmask16 ok =
             _mm512_cmplt_epi32_mask(lane_ids, _mm512_set1_epi32(valid_n - kb * 16));
-        vf e = exp_nonpositive((vf)s[kb] - mn);
+        vf e = (vf)bf_exp(_mm512_sub_ps(s[kb], _mm512_set1_ps(mn)));
         s[kb] = _mm512_maskz_mov_ps(ok, (__m512)e);
         sum += (vf)s[kb];
     }
     const float alpha =
-        st->m[row] == mn ? 1.0f : exp_nonpositive((vf){0} + (st->m[row] - mn))[0];
+        st->m[row] == mn ? 1.0f : bf_exp(_mm512_set1_ps(st->m[row] - mn))[0];
     st->l[row] = fmaf(st->l[row], alpha, hsum(sum)); /* one rounding, as bf_softmax_rows */
     st->m[row] = mn;
     if (alpha != 1.0f)
@@ -565,7 +584,7 @@ static inline __attribute__((always_inline)) void bf_softmax_rows(BfRows *st, in
     const __m512 m = _mm512_mask_loadu_ps(neg_inf, live, &st->m[lo16]);
     const __m512 mn = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m, mx, _CMP_GT_OQ), mx, m);
     for (int j = 0; j < ROUND; j++)
-        S[j] = _mm512_maskz_mov_ps(ok[j], (__m512)exp_nonpositive((vf)_mm512_sub_ps(S[j], mn)));
+        S[j] = _mm512_maskz_mov_ps(ok[j], bf_exp(_mm512_sub_ps(S[j], mn)));
     __m512 col[16];
     for (int j = 0; j < 16; j++)
         col[j] = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(S[j], S[16 + j]), S[32 + j]),
@@ -574,7 +593,7 @@ static inline __attribute__((always_inline)) void bf_softmax_rows(BfRows *st, in
         for (int j = 0; j < w; j++) col[j] = _mm512_add_ps(col[j], col[j + w]);
     const __mmask16 same = _mm512_cmp_ps_mask(m, mn, _CMP_EQ_OQ);
     const __m512 alpha = _mm512_mask_blend_ps(
-        same, (__m512)exp_nonpositive((vf)_mm512_sub_ps(m, mn)), _mm512_set1_ps(1.0f));
+        same, bf_exp(_mm512_sub_ps(m, mn)), _mm512_set1_ps(1.0f));
     const __m512 l = _mm512_maskz_loadu_ps(live, &st->l[lo16]);
     _mm512_mask_storeu_ps(&st->l[lo16], live, _mm512_fmadd_ps(l, alpha, col[0]));
     _mm512_mask_storeu_ps(&st->m[lo16], live, mn);
@@ -619,23 +638,28 @@ static inline __attribute__((always_inline)) void bf_weighted_values(
     }
 }
 
-/* the pool is far larger than the caches and a context's blocks lie anywhere in it: fetch
- * the next round's K and V rows while this one computes (the first round's V rows while its
- * K rows are staged) */
-#define BF_PREFETCH_ROUND()                                                                    \
-    if (r0 + ROUND < to) {                                                                     \
-        const int n2 = to - r0 - ROUND < ROUND ? to - r0 - ROUND : ROUND;                      \
-        KEY_ROWS(at[cur ^ 1], n2, DIM);                                                        \
-        for (int j = 0; j < n2; j++)                                                           \
-            for (int c = 0; c < DIM * 2; c += 64) {                                            \
-                _mm_prefetch((const char *)(k_cache + at[cur ^ 1][j]) + c, _MM_HINT_T1);       \
-                _mm_prefetch((const char *)(v_cache + at[cur ^ 1][j]) + c, _MM_HINT_T1);       \
-            }                                                                                  \
-    }                                                                                          \
+/* the pool is far larger than the caches and a context's blocks lie anywhere in it: the next
+ * round's K and V rows are fetched while this one computes, a few keys at a time spread over
+ * the round's products (a burst of a whole round's lines fills the core's miss queue and
+ * stalls it), and the first round's V rows while its K rows are staged. BF_NEXT_ROUND works
+ * out the next round's row offsets; BF_FETCH(i, of) fetches its keys up to the end of the
+ * i-th of `of` equal shares (share of - 1 ends with the last). Prefetches change no
+ * result. */
+#define BF_NEXT_ROUND()                                                                        \
+    const int n2 = r0 + ROUND < to ? (to - r0 - ROUND < ROUND ? to - r0 - ROUND : ROUND) : 0;  \
+    KEY_ROWS(at[cur ^ 1], n2, DIM);                                                            \
+    const int64_t *next_at = at[cur ^ 1];                                                      \
+    int pf = 0; /* next-round keys fetched so far */                                           \
     if (r0 == from)                                                                            \
         for (int j = 0; j < n; j++)                                                            \
             for (int c = 0; c < DIM * 2; c += 64)                                              \
                 _mm_prefetch((const char *)(v_cache + row_at[j]) + c, _MM_HINT_T1);
+#define BF_FETCH(i, of)                                                                        \
+    for (; pf < n2 && pf * (of) < ((i) + 1) * n2; pf++)                                        \
+        for (int c = 0; c < DIM * 2; c += 64) {                                                \
+            _mm_prefetch((const char *)(k_cache + next_at[pf]) + c, _MM_HINT_T1);              \
+            _mm_prefetch((const char *)(v_cache + next_at[pf]) + c, _MM_HINT_T1);              \
+        }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define BF_AMX 1
@@ -698,7 +722,7 @@ static inline __attribute__((always_inline)) void bf_run_keys(
     for (int r0 = from, cur = 0; r0 < to; r0 += ROUND, cur ^= 1) {
         const int n = to - r0 < ROUND ? to - r0 : ROUND;
         const int64_t *row_at = at[cur];
-        BF_PREFETCH_ROUND();
+        BF_NEXT_ROUND();
         bf_stage(kt, vp, k_cache, v_cache, row_at, n, DIM, !wide);
 #ifdef BF_AMX
         if (AMX) {
@@ -706,6 +730,7 @@ static inline __attribute__((always_inline)) void bf_run_keys(
             float ov[16][16] __attribute__((aligned(64)));
             for (int b0 = lo; b0 < hi; b0 += 16) {
                 const int rows = hi - b0 < 16 ? hi - b0 : 16;
+                BF_FETCH((b0 - lo) / 16, (hi - lo + 15) / 16);
                 /* scores: tile kb holds keys 16 kb .. 16 kb + 15, summed over the head's 32-dim
                  * chunks in order */
                 _tile_zero(0);
@@ -770,6 +795,7 @@ static inline __attribute__((always_inline)) void bf_run_keys(
                 const int rows = hi - b0 < 16 ? hi - b0 : 16;
                 __m512 S[ROUND];
                 for (int j0 = 0; j0 < ROUND; j0 += 8) {
+                    BF_FETCH(bi * (ROUND / 8) + j0 / 8, (hi - lo + 15) / 16 * (ROUND / 8));
                     __m512 a[8];
                     const uint32_t *kr[8];
                     for (int i = 0; i < 8; i++) {
@@ -800,6 +826,7 @@ static inline __attribute__((always_inline)) void bf_run_keys(
             for (int i = 0; i < 4; i++)
                 for (int kb = 0; kb < ROUND / 16; kb++) s[i][kb] = _mm512_setzero_ps();
             for (int p = 0; p < NP; p++) {
+                BF_FETCH((g0 - lo) / 4 * NP + p, (hi - lo + 3) / 4 * NP);
                 __m512bh qb[4];
                 for (int i = 0; i < 4; i++)
                     qb[i] = (__m512bh)_mm512_set1_epi32((int)st->q[g[i]][p]);
@@ -815,7 +842,8 @@ static inline __attribute__((always_inline)) void bf_run_keys(
         }
     }
 }
-#undef BF_PREFETCH_ROUND
+#undef BF_NEXT_ROUND
+#undef BF_FETCH
 
 static inline __attribute__((always_inline)) void bf_unit(
     const uint16_t *q, const int64_t *q_rows, int members, const int32_t *tables,
@@ -892,6 +920,21 @@ BF_SPECIALIZED(bf_unit_d128, 128)
 #else
 int docqa_attention_amx_init(void) { return -1; }
 #endif
+
+/* The bf16 kernels' exponential of n values (x <= 0), for tests: 0, or -1 where the bf16
+ * kernels are not built. */
+int docqa_attention_bf16_exp(const float *x, float *out, int64_t n) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 live = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        _mm512_mask_storeu_ps(out + i, live, bf_exp(_mm512_maskz_loadu_ps(live, x + i)));
+    }
+    return 0;
+#else
+    (void)x, (void)out, (void)n;
+    return -1;
+#endif
+}
 
 /* Which bf16 head sizes docqa_attention_bf16 takes on this build (0: none, no AVX512-BF16). */
 int docqa_attention_bf16_dims(void) {
