@@ -15,8 +15,11 @@ pytestmark = pytest.mark.slow
 SAMPLE = (Path(__file__).resolve().parent.parent / "app" / "samples" / "tarx-manual.md").read_text()
 BS = 16
 # the system instructions before the manual are the same for every manual, so a new manual's
-# first question may find those few blocks cached (never any of the manual itself)
+# first question may find those few blocks cached (never a block of the manual itself)
 SHARED = 48
+# ... and then a few of the manual's first tokens, copied from another manual's block that
+# begins the same way ("Revision " and the first characters its random tag shares)
+FIRST_HIT = SHARED + BS - 1
 
 
 def new_manual(api, title: str = "tarx") -> dict:
@@ -92,7 +95,7 @@ def test_second_question_hits_the_cache(api):
     before = computed_total(api)
     a1 = ask(api, m["id"], q1)
     mid_count = computed_total(api)
-    assert a1["usage"]["cached_tokens"] <= SHARED
+    assert a1["usage"]["cached_tokens"] <= FIRST_HIT
     assert mid_count - before == a1["usage"]["prompt_tokens"] - a1["usage"]["cached_tokens"]
     a2 = ask(api, m["id"], "Which option compresses the archive?")
     after = computed_total(api)
@@ -208,7 +211,7 @@ def test_openai_client(api):
         model=model, messages=msgs, max_tokens=6, temperature=0, extra_body=extra
     )
     assert r1.choices[0].message.role == "assistant" and r1.choices[0].message.content
-    assert r1.usage.prompt_tokens_details.cached_tokens <= SHARED
+    assert r1.usage.prompt_tokens_details.cached_tokens <= FIRST_HIT
     assert r1.choices[0].finish_reason in ("stop", "length")
     r2 = client.chat.completions.create(
         model=model, messages=msgs, max_tokens=6, temperature=0, extra_body=extra
