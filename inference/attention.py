@@ -26,6 +26,7 @@ family, so chunking never changes which family a token is computed in.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -421,6 +422,29 @@ class TorchBackend:
         return paged_attention_reference(q, k_cache, v_cache, meta, scale)
 
 
+def _largest_first(q_rows, seq_of, ctx, starts, shared):
+    """A step plan's groups reordered by the keys their tokens walk, most first (ties keep
+    their order): the kernels hand units to threads in group order, so the threads end
+    together when one manual's answers outnumber the others or a prompt's large groups share
+    the step with small decode groups. A token's result does not depend on where its group
+    runs."""
+    spans = list(itertools.pairwise(starts))
+    order = sorted(range(len(spans)), key=lambda g: -sum(ctx[spans[g][0] : spans[g][1]]))
+    if order == list(range(len(spans))):
+        return q_rows, seq_of, ctx, starts, shared
+    picked = [t for g in order for t in range(*spans[g])]
+    new_starts = [0]
+    for g in order:
+        new_starts.append(new_starts[-1] + spans[g][1] - spans[g][0])
+    return (
+        [q_rows[t] for t in picked],
+        [seq_of[t] for t in picked],
+        [ctx[t] for t in picked],
+        new_starts,
+        [shared[g] for g in order],
+    )
+
+
 class CPUBackend(TorchBackend):
     """Attention through the compiled CPU kernels (``inference/csrc/decode_attention.c``), which
     read each token's context in place from the pool in rounds of 64 keys from key 0.
@@ -470,9 +494,10 @@ class CPUBackend(TorchBackend):
     def _step_plan(self, meta: AttentionMetadata, device, bs: int, group: int, bf16: bool):
         """A kernel's tokens and groups for this step (built once, used by every layer):
         prompt chunks first, cut into groups of consecutive tokens, then the decode tokens
-        grouped by shared leading blocks. A prompt group shares its chunk's table: for the
-        bf16 kernel every key of the group (its last token's context), for the float32 one
-        the whole rounds of its first token's context."""
+        grouped by shared leading blocks; then the groups with the most keys to walk first
+        (``_largest_first``). A prompt group shares its chunk's table: for the bf16 kernel
+        every key of the group (its last token's context), for the float32 one the whole
+        rounds of its first token's context."""
         key = "cpu-bf16" if bf16 else "cpu-f32"
         plan = meta.scratch.get(key)
         if plan is not None:
@@ -506,6 +531,7 @@ class CPUBackend(TorchBackend):
         q_rows += d_rows
         seq_of += d_seqs
         ctx += d_ctx
+        q_rows, seq_of, ctx, starts, shared = _largest_first(q_rows, seq_of, ctx, starts, shared)
         seqs = torch.tensor(seq_of, dtype=torch.int64, device=device)
         plan = (
             torch.tensor(q_rows, dtype=torch.int64, device=device),

@@ -19,7 +19,6 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #define MAX_DIM 256
@@ -946,20 +945,6 @@ int docqa_attention_bf16_dims(void) {
 #endif
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
-typedef struct {
-    int64_t keys; /* keys its tokens walk, all rows of a token together */
-    int group;
-} GroupCost;
-
-/* most keys first; equal ones in group order */
-static int by_cost(const void *a, const void *b) {
-    const GroupCost *x = a, *y = b;
-    if (x->keys != y->keys) return x->keys > y->keys ? -1 : 1;
-    return (x->group > y->group) - (x->group < y->group);
-}
-#endif
-
 /* Attention of a step's tokens (prompt and decode) in bf16; arguments as for
  * docqa_decode_attention, except: at most BF_MAX_ROWS query rows per group; group_shared[u] either a
  * multiple of 64 or at least every context of its group (one prompt chunk: all its keys,
@@ -987,17 +972,6 @@ int docqa_attention_bf16(const void *q, const int64_t *q_rows, int num_tokens,
                 if (ctx_lens[t + i] > group_shared[u]) return -1;
     }
     const int units = num_groups * num_kv_heads;
-    /* the groups with the most keys to walk first, so the threads end together (results do
-     * not depend on the order: units are independent) */
-    GroupCost stack_order[64];
-    GroupCost *order = num_groups <= 64 ? stack_order : malloc(sizeof *order * num_groups);
-    if (!order) return -1;
-    for (int u = 0; u < num_groups; u++) {
-        int64_t keys = 0;
-        for (int t = group_start[u]; t < group_start[u + 1]; t++) keys += ctx_lens[t];
-        order[u] = (GroupCost){keys, u};
-    }
-    qsort(order, num_groups, sizeof *order, by_cost);
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
     {
 #ifdef BF_AMX
@@ -1005,7 +979,7 @@ int docqa_attention_bf16(const void *q, const int64_t *q_rows, int num_tokens,
 #endif
 #pragma omp for schedule(dynamic, 1)
         for (int u = 0; u < units; u++) {
-            const int grp = order[u / num_kv_heads].group, h = u % num_kv_heads;
+            const int grp = u / num_kv_heads, h = u % num_kv_heads;
             const int t = group_start[grp], members = group_start[grp + 1] - t;
             const int32_t *tables = block_tables + (int64_t)t * table_stride;
             uint16_t *o = (uint16_t *)out;
@@ -1024,7 +998,6 @@ int docqa_attention_bf16(const void *q, const int64_t *q_rows, int num_tokens,
         if (amx_ok) _tile_release();
 #endif
     }
-    if (order != stack_order) free(order);
     return 0;
 #else
     (void)q, (void)q_rows, (void)num_tokens, (void)group_start, (void)group_shared;
