@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -445,6 +446,16 @@ def _largest_first(q_rows, seq_of, ctx, starts, shared):
     )
 
 
+class StepPlan(NamedTuple):
+    """The CPU kernels' tokens and work groups for one step, in group order (every layer's)."""
+
+    q_rows: torch.Tensor  # [T] int64: each token's row among the step's tokens
+    tables: torch.Tensor  # [T, max_blocks] int32: each token's block table
+    ctx: torch.Tensor  # [T] int32: keys each token attends, its own included
+    group_start: torch.Tensor  # [G + 1] int32: each group's first token, then the end
+    group_shared: torch.Tensor  # [G] int32: keys a group's tokens walk together
+
+
 class CPUBackend(TorchBackend):
     """Attention through the compiled CPU kernels (``inference/csrc/decode_attention.c``), which
     read each token's context in place from the pool in rounds of 64 keys from key 0.
@@ -491,7 +502,7 @@ class CPUBackend(TorchBackend):
             shared,
         )
 
-    def _step_plan(self, meta: AttentionMetadata, device, bs: int, group: int, bf16: bool):
+    def plan(self, meta: AttentionMetadata, device, bs: int, group: int, bf16: bool) -> StepPlan:
         """A kernel's tokens and groups for this step (built once, used by every layer):
         prompt chunks first, cut into groups of consecutive tokens, then the decode tokens
         grouped by shared leading blocks; then the groups with the most keys to walk first
@@ -533,7 +544,7 @@ class CPUBackend(TorchBackend):
         ctx += d_ctx
         q_rows, seq_of, ctx, starts, shared = _largest_first(q_rows, seq_of, ctx, starts, shared)
         seqs = torch.tensor(seq_of, dtype=torch.int64, device=device)
-        plan = (
+        plan = StepPlan(
             torch.tensor(q_rows, dtype=torch.int64, device=device),
             meta.block_tables.index_select(0, seqs),
             torch.tensor(ctx, dtype=torch.int32, device=device),
@@ -544,7 +555,7 @@ class CPUBackend(TorchBackend):
         return plan
 
     @staticmethod
-    def _offsets(meta: AttentionMetadata, rows: torch.Tensor, stride: int) -> torch.Tensor:
+    def offsets(meta: AttentionMetadata, rows: torch.Tensor, stride: int) -> torch.Tensor:
         """Each token's first element in a tensor whose rows are ``stride`` apart (the same
         for every layer of a step: worked out once)."""
         key = ("cpu-offsets", rows.data_ptr(), stride)
@@ -558,18 +569,18 @@ class CPUBackend(TorchBackend):
         nb, bs, kvh, _ = k_cache.shape
         group = num_heads // kvh
         if self.k.bf16_kernel_supports(q.dtype, k_cache.dtype, num_heads, kvh, d):
-            rows, tables, ctx, starts, shared = self._step_plan(meta, q.device, bs, group, True)
+            rows, tables, ctx, starts, shared = self.plan(meta, q.device, bs, group, True)
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             offsets = (
-                self._offsets(meta, rows, q.stride(0)),
-                self._offsets(meta, rows, out.stride(0)),
+                self.offsets(meta, rows, q.stride(0)),
+                self.offsets(meta, rows, out.stride(0)),
             )
             return self.k.attention_bf16(
                 q, rows, k_cache, v_cache, tables, ctx, scale, starts, shared, out, offsets
             )
         if not self.k.decode_kernel_supports(q.dtype, k_cache.dtype, num_heads, kvh, d, bs):
             return paged_attention_reference(q, k_cache, v_cache, meta, scale)
-        rows, tables, ctx, starts, shared = self._step_plan(meta, q.device, bs, group, False)
+        rows, tables, ctx, starts, shared = self.plan(meta, q.device, bs, group, False)
         o = self.k.decode_attention(
             q,
             rows,
@@ -580,7 +591,7 @@ class CPUBackend(TorchBackend):
             scale,
             starts,
             shared,
-            self._offsets(meta, rows, q.stride(0)),
+            self.offsets(meta, rows, q.stride(0)),
         )
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         out.index_copy_(0, rows, o.to(out.dtype))

@@ -62,7 +62,9 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
-def _build(src: Path) -> Path:
+def build(src: Path) -> Path:
+    """The shared library of ``src`` for this CPU, built on first use (module docstring);
+    raises KernelBuildError."""
     cc = _compiler()
     if cc is None:
         raise KernelBuildError("no C compiler (set CC, or install gcc)")
@@ -95,7 +97,7 @@ def _build(src: Path) -> Path:
 @functools.cache
 def decode_attention_library() -> ctypes.CDLL:
     """The compiled attention kernels (built on first use); raises KernelBuildError."""
-    lib = ctypes.CDLL(str(_build(SOURCE)))
+    lib = ctypes.CDLL(str(build(SOURCE)))
     p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     fn = lib.docqa_decode_attention
     fn.argtypes = [p, i, p, i, p, p, i, p, p, i, p, i64, p, i, i, i, i, f, p, i]
@@ -131,7 +133,7 @@ def kernels_available() -> bool:
 def linear_library() -> ctypes.CDLL:
     """The compiled float32 and bf16 linear kernels (built on first use); raises
     KernelBuildError."""
-    lib = ctypes.CDLL(str(_build(LINEAR_SOURCE)))
+    lib = ctypes.CDLL(str(build(LINEAR_SOURCE)))
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     for name in ("docqa_linear_f32", "docqa_linear_bf16"):
         getattr(lib, name).argtypes = [p, i, i64, p, i, i, p, p, i64, p, i]
@@ -247,7 +249,7 @@ def _panel_linear(name, x, packed, k, out_features, bias) -> torch.Tensor:
 @functools.cache
 def amx_library() -> ctypes.CDLL:
     """The compiled bf16 AMX linear kernel (built on first use); raises KernelBuildError."""
-    lib = ctypes.CDLL(str(_build(AMX_SOURCE)))
+    lib = ctypes.CDLL(str(build(AMX_SOURCE)))
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     fn = lib.docqa_linear_bf16_amx
     fn.argtypes = [p, i, i64, p, i, i, p, p, i64, i]
@@ -330,7 +332,7 @@ def elementwise_library() -> ctypes.CDLL | None:
     if os.environ.get("DOCQA_CPU_KERNELS", "1") == "0":
         return None
     try:
-        lib = ctypes.CDLL(str(_build(ELEMENTWISE_SOURCE)))
+        lib = ctypes.CDLL(str(build(ELEMENTWISE_SOURCE)))
     except (KernelBuildError, OSError, subprocess.SubprocessError) as e:
         log.warning("fused element-wise kernels unavailable, using torch's: %s", e)
         return None

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from inference import cpu_kernels
 from inference.attention import AttentionMetadata, TorchBackend
 from inference.config import ModelConfig, dtype_name
+from inference.cpu_forward import CPUForward, kv_key
 from inference.errors import ModelError
 from inference.layers import LINEAR_MAX_SLAB, LINEAR_ROW_SLAB, Linear, RotaryTable, rms_norm
 
@@ -105,6 +106,11 @@ class LlamaModel:
         # head sees one row per sequence, so it keeps 32.
         cpu_bf16 = dtype == torch.bfloat16 and self.device.type == "cpu"
         self.row_slab = LINEAR_ROW_SLAB if cpu_bf16 else None
+        # the layer loop in one compiled call where every part has a kernel (cpu_forward.py);
+        # False keeps the Python loop (the same bits: tests compare the two)
+        self.compiled_layers = True
+        self._compiled: CPUForward | None = None
+        self._compiled_key: tuple | None = None
 
     # -- loading ------------------------------------------------------------------------------
     @classmethod
@@ -276,6 +282,15 @@ class LlamaModel:
         self.attn_backend.store_kv(k, v, k_cache, v_cache, meta)
         return q
 
+    def _compiled_layers(self, kv_caches) -> CPUForward | None:
+        """The compiled layer loop over these caches (built once per pool and attention
+        backend), or None where the Python loop runs."""
+        key = (self.compiled_layers, id(self.attn_backend), kv_key(kv_caches))
+        if key != self._compiled_key:
+            self._compiled = CPUForward.build(self, kv_caches) if self.compiled_layers else None
+            self._compiled_key = key
+        return self._compiled
+
     def _forward_fused(self, h, positions, meta, kv_caches, logits_indices) -> torch.Tensor:
         """``forward`` on the CPU (bf16 or float32) with the element-wise steps fused
         (``cpu_kernels.add_rms_norm``, ``silu_mul``, ``rotary_store``): each residual add goes
@@ -286,6 +301,12 @@ class LlamaModel:
         qd = cfg.num_heads * cfg.head_dim
         n = h.shape[0]
         h = h.contiguous()
+        compiled = self._compiled_layers(kv_caches) if n else None
+        if compiled is not None:
+            delta = compiled.run(h, positions, meta)
+            h = h[logits_indices] + delta[logits_indices]
+            h = cpu_kernels.add_rms_norm(h, None, self.final_norm, eps)
+            return self.lm_head(h).float()
         delta = None  # the last layer's MLP output, not yet added to h
         cos_sin = None  # gathered once where the torch rotary path runs (a cache in another
         # dtype, or a backend that stores K/V itself)

@@ -36,6 +36,7 @@ def write_tiny_model(
     layers: int = 2,
     seed: int = 0,
     qkv_bias: bool = False,
+    intermediate: int | None = None,
 ) -> Path:
     """A random Llama checkpoint with the default model's tokenizer (vocab 49152)."""
     from safetensors.torch import save_file
@@ -45,7 +46,7 @@ def write_tiny_model(
     cfg = LlamaConfig(
         vocab_size=49152,
         hidden_size=hidden,
-        intermediate_size=hidden * 2 + 8,
+        intermediate_size=intermediate or hidden * 2 + 8,
         num_hidden_layers=layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,

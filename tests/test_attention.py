@@ -208,7 +208,7 @@ def test_bf16_kernel_groups_do_not_change_outputs():
     n = sum(s[1] for s in specs)
     q = torch.randn(n, 9, d, generator=torch.Generator().manual_seed(SEED)).bfloat16()
     backend = CPUBackend()
-    rows, bt, ctx, starts, shared = backend._step_plan(meta, "cpu", bs, 3, bf16=True)
+    rows, bt, ctx, starts, shared = backend.plan(meta, "cpu", bs, 3, bf16=True)
     sizes = (starts[1:] - starts[:-1]).tolist()
     assert max(sizes) == 16 and sum(sizes) == n  # 48 rows // 3 rows per token
     assert max(shared.tolist()) >= 960

@@ -1,0 +1,323 @@
+"""The decoder layers of a step in one call to compiled code (``inference/csrc/forward.c``).
+
+``LlamaModel._forward_fused`` calls nine kernels a layer from Python: 270 calls a step for
+SmolLM2, each wrapped in argument checks, views, allocations and ctypes conversions. On a
+2-core Zen 4 that interpreter work measured 2.5 ms of an 11.6 ms one-token decode step and
+3-6 ms of a step under load, while the other thread waits. ``CPUForward`` hands the same
+calls, with the same arguments in the same order, to one C loop over the layers: the results
+are the same bits (tests/test_cpu_forward.py compares the two paths), and what is left in
+Python per step is filling one small struct.
+
+It takes the model only where every part has a compiled kernel: activations and KV caches in
+bf16 or float32, linear layers packed for linear.c (or linear_amx.c), the fused element-wise
+steps, and the CPU attention backend with a kernel for the shape. Elsewhere ``build`` returns
+None and the model keeps its Python loop.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import subprocess
+from pathlib import Path
+
+import torch
+
+from inference import cpu_kernels
+from inference.attention import AttentionMetadata
+
+SOURCE = Path(__file__).parent / "csrc" / "forward.c"
+_p, _i32, _i64, _f = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+
+
+class _ModelDesc(ctypes.Structure):
+    _fields_ = [
+        ("linear", _p),
+        ("add_rms_norm", _p),
+        ("silu_mul", _p),
+        ("rotary_store", _p),
+        ("attention", _p),
+        ("amx", _i32),
+        ("bf16", _i32),
+        ("num_layers", _i32),
+        ("hidden", _i32),
+        ("num_heads", _i32),
+        ("num_kv_heads", _i32),
+        ("head_dim", _i32),
+        ("inter", _i32),
+        ("block_size", _i32),
+        ("eps", _f),
+        ("scale", _f),
+    ]
+
+
+class _LayerDesc(ctypes.Structure):
+    _fields_ = [
+        (name, _p)
+        for name in (
+            "input_norm",
+            "post_norm",
+            "qkv",
+            "o_proj",
+            "gate_up",
+            "down",
+            "qkv_bias",
+            "k_cache",
+            "v_cache",
+        )
+    ]
+
+
+class _StepDesc(ctypes.Structure):
+    _fields_ = [
+        ("rows", _i32),
+        ("num_threads", _i32),
+        *[(name, _p) for name in ("h", "x", "qkv", "attn", "o", "gu", "act", "delta")],
+        ("part", _p),
+        ("attn_f32", _p),
+        ("positions", _p),
+        ("slots", _p),
+        ("cos", _p),
+        ("sin", _p),
+        ("num_tokens", _i32),
+        ("num_groups", _i32),
+        ("table_stride", _i64),
+        *[
+            (name, _p)
+            for name in (
+                "q_rows",
+                "q_start",
+                "out_start",
+                "group_start",
+                "group_shared",
+                "tables",
+                "ctx",
+            )
+        ],
+    ]
+
+
+@functools.cache
+def forward_library() -> ctypes.CDLL | None:
+    """The compiled layer loop, or None where it does not build."""
+    try:
+        lib = ctypes.CDLL(str(cpu_kernels.build(SOURCE)))
+    except (cpu_kernels.KernelBuildError, OSError, subprocess.SubprocessError):
+        return None
+    fn = lib.docqa_forward_layers
+    fn.argtypes = [
+        ctypes.POINTER(_ModelDesc),
+        ctypes.POINTER(_LayerDesc),
+        ctypes.POINTER(_StepDesc),
+    ]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+_CALLS = (
+    "input RMSNorm",
+    "qkv product",
+    "rotary embedding and K/V store",
+    "attention",
+    "output product",
+    "post-attention RMSNorm",
+    "gate/up product",
+    "SiLU times up",
+    "down product",
+)
+
+
+class CPUForward:
+    """The layer loop of one model over one KV pool, in C. ``run`` is ``_forward_fused``'s
+    loop: it updates ``h`` in place and returns the last layer's MLP output (not yet added).
+    Its buffers are kept between steps (grown when a step has more rows), so it must be used
+    from one thread at a time, as the engine's step loop does."""
+
+    def __init__(self, model, kv_caches, amx: bool):
+        cfg = model.cfg
+        self.model = model
+        self.bf16 = model.dtype == torch.bfloat16
+        el = cpu_kernels.elementwise_library()
+        suffix = "bf16" if self.bf16 else "f32"
+        if amx:
+            linear = cpu_kernels.amx_library().docqa_linear_bf16_amx
+        else:
+            linear = getattr(cpu_kernels.linear_library(), f"docqa_linear_{suffix}")
+        attn_lib = cpu_kernels.decode_attention_library()
+        attention = attn_lib.docqa_attention_bf16 if self.bf16 else attn_lib.docqa_decode_attention
+        block_size = kv_caches[0][0].shape[1]
+        self.desc = _ModelDesc(
+            linear=_address(linear),
+            add_rms_norm=_address(getattr(el, f"docqa_add_rms_norm_{suffix}")),
+            silu_mul=_address(getattr(el, f"docqa_silu_mul_{suffix}")),
+            rotary_store=_address(getattr(el, f"docqa_rotary_store_{suffix}")),
+            attention=_address(attention),
+            amx=int(amx),
+            bf16=int(self.bf16),
+            num_layers=cfg.num_layers,
+            hidden=cfg.hidden_size,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            inter=cfg.intermediate_size,
+            block_size=block_size,
+            eps=cfg.rms_norm_eps,
+            scale=model.scale,
+        )
+        layers = (_LayerDesc * cfg.num_layers)()
+        for d, lw, (k_cache, v_cache) in zip(layers, model.layers, kv_caches, strict=True):
+            d.input_norm = lw.input_norm.data_ptr()
+            d.post_norm = lw.post_norm.data_ptr()
+            for name in ("qkv", "o_proj", "gate_up", "down"):
+                setattr(d, name, _packed(getattr(lw, name)).data_ptr())
+            bias = _bias(lw.qkv)
+            d.qkv_bias = None if bias is None else bias.data_ptr()
+            d.k_cache, d.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        self.layers = layers
+        self.step = _StepDesc()
+        # linear.c's partial sums, for products whose terms exceed its K_BLOCK: a row block of
+        # the widest such product's padded outputs (linear_amx.c needs none)
+        self.part_floats = 0
+        if not amx:
+            first = model.layers[0]  # every layer has the same shapes
+            for lin in (first.qkv, first.o_proj, first.gate_up, first.down):
+                packed = _packed(lin)
+                if packed.shape[1] > cpu_kernels.LINEAR_K_BLOCK:
+                    self.part_floats = max(
+                        self.part_floats,
+                        cpu_kernels.LINEAR_ROW_BLOCK * packed.shape[0] * packed.shape[2],
+                    )
+        self.widths = {  # the step's buffers: [rows, width] each
+            "x": cfg.hidden_size,
+            "qkv": (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim,
+            "attn": cfg.num_heads * cfg.head_dim,
+            "o": cfg.hidden_size,
+            "gu": 2 * cfg.intermediate_size,
+            "act": cfg.intermediate_size,
+            "delta": cfg.hidden_size,
+        }
+        self.capacity = 0  # rows the kept buffers hold
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def build(cls, model, kv_caches) -> CPUForward | None:
+        """A CPUForward for the model over these caches, or None where a part has no compiled
+        kernel (the model then runs its Python loop)."""
+        cfg = model.cfg
+        dtype = model.dtype
+        backend = model.attn_backend
+        if (
+            model.device.type != "cpu"
+            or dtype not in (torch.bfloat16, torch.float32)
+            or getattr(backend, "name", None) != "cpu"
+            or not backend.plain_store
+            or cfg.hidden_size % 16
+            or not kv_caches
+            or cpu_kernels.elementwise_library() is None
+            or forward_library() is None
+        ):
+            return None
+        k_cache = kv_caches[0][0]
+        if any(
+            t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu"
+            for pair in kv_caches
+            for t in pair
+        ):
+            return None
+        heads, kvh, d, bs = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, k_cache.shape[1]
+        if dtype == torch.bfloat16:
+            if not cpu_kernels.bf16_kernel_supports(dtype, dtype, heads, kvh, d):
+                return None
+        elif not cpu_kernels.decode_kernel_supports(dtype, dtype, heads, kvh, d, bs):
+            return None
+        linears = [lin for lw in model.layers for lin in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
+        if any(lin.bias is not None for lin in linears[1::4] + linears[2::4] + linears[3::4]):
+            return None  # only the qkv product may have a bias (Qwen2)
+        if dtype == torch.float32:
+            if any(lin._panels is None for lin in linears):
+                return None
+            return cls(model, kv_caches, amx=False)
+        if all(lin._tiles is not None for lin in linears):
+            return cls(model, kv_caches, amx=True)
+        if all(lin._bf16_panels is not None for lin in linears):
+            return cls(model, kv_caches, amx=False)
+        return None
+
+    def _buffers(self, rows: int) -> dict[str, torch.Tensor]:
+        """The step's buffers, [rows, width] views of ones kept between steps."""
+        widths = self.widths
+        if rows > self.capacity:
+            self.capacity = max(rows, 2 * self.capacity)
+            self.buffers = {
+                name: torch.empty(self.capacity * w, dtype=self.model.dtype)
+                for name, w in widths.items()
+            }
+            if not self.bf16:
+                self.buffers["attn_f32"] = torch.empty(
+                    self.capacity * widths["attn"], dtype=torch.float32
+                )
+            self.buffers["part"] = torch.empty(max(self.part_floats, 1), dtype=torch.float32)
+        return {name: self.buffers[name][: rows * w].view(rows, w) for name, w in widths.items()}
+
+    def run(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        """``h`` [rows, hidden] (contiguous) through every layer, in place; returns the last
+        layer's MLP output [rows, hidden] (a view of a kept buffer: valid until the next
+        step)."""
+        cfg = self.model.cfg
+        rows = h.shape[0]
+        backend = self.model.attn_backend
+        group = cfg.num_heads // cfg.num_kv_heads
+        plan = backend.plan(meta, h.device, self.desc.block_size, group, self.bf16)
+        bufs = self._buffers(rows)
+        q_start = backend.offsets(meta, plan.q_rows, bufs["qkv"].shape[1])
+        out_start = backend.offsets(meta, plan.q_rows, bufs["attn"].shape[1])
+        s = self.step
+        s.rows = rows
+        s.num_threads = torch.get_num_threads()
+        s.h = h.data_ptr()
+        for name in ("x", "qkv", "attn", "o", "gu", "act", "delta"):
+            setattr(s, name, bufs[name].data_ptr())
+        s.part = self.buffers["part"].data_ptr()
+        s.attn_f32 = None if self.bf16 else self.buffers["attn_f32"].data_ptr()
+        s.positions = positions.data_ptr()
+        s.slots = meta.slot_mapping.data_ptr()
+        s.cos = self.model.rotary.cos.data_ptr()
+        s.sin = self.model.rotary.sin.data_ptr()
+        s.num_tokens = plan.q_rows.shape[0]
+        s.num_groups = plan.group_shared.shape[0]
+        s.table_stride = plan.tables.stride(0)
+        s.q_rows = plan.q_rows.data_ptr()
+        s.q_start = q_start.data_ptr()
+        s.out_start = out_start.data_ptr()
+        s.group_start = plan.group_start.data_ptr()
+        s.group_shared = plan.group_shared.data_ptr()
+        s.tables = plan.tables.data_ptr()
+        s.ctx = plan.ctx.data_ptr()
+        rc = forward_library().docqa_forward_layers(self.desc, self.layers, s)
+        if rc != 0:
+            layer, call = divmod(rc - 1, 16)
+            raise ValueError(
+                f"layer {layer}: the {_CALLS[call]} kernel refused its sizes ({rows} rows)"
+            )
+        return bufs["delta"]
+
+
+def kv_key(kv_caches) -> tuple[int, ...]:
+    """What tells one KV pool from another (a CPUForward holds its caches' addresses)."""
+    return tuple(t.data_ptr() for pair in kv_caches for t in pair)
+
+
+def _packed(lin) -> torch.Tensor:
+    for packed in (lin._panels, lin._tiles, lin._bf16_panels):
+        if packed is not None:
+            return packed
+    raise ValueError("the linear layer has no compiled kernel's packed weight")
+
+
+def _bias(lin) -> torch.Tensor | None:
+    """The bias as the kernel takes it: float32 (bf16 kernels keep a float32 copy)."""
+    return lin._bias_f32 if lin._bias_f32 is not None else lin.bias

@@ -1,0 +1,87 @@
+"""The compiled layer loop (inference/cpu_forward.py, csrc/forward.c) against the model's
+Python loop: the same kernels with the same arguments, so the same bits, step after step."""
+
+import pytest
+import torch
+from conftest import write_tiny_model
+
+from inference import LLM, SamplingParams, cpu_kernels
+
+
+@pytest.fixture(scope="module")
+def kernel_model_dir(tmp_path_factory, default_model_dir):
+    """A tiny checkpoint in shapes the CPU kernels take (head size 64, 3 query heads per KV
+    head as SmolLM2, inputs in whole blocks of 32), with a qkv bias as Qwen2 has."""
+    return write_tiny_model(
+        tmp_path_factory.mktemp("kernel-shapes") / "m",
+        default_model_dir,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=64,
+        hidden=192,
+        intermediate=320,
+        layers=3,
+        seed=5,
+        qkv_bias=True,
+    )
+
+
+def _compiled_path_here(dtype: str) -> bool:
+    if dtype == "float32":
+        return bool(cpu_kernels.linear_f32_panel())
+    return bool(cpu_kernels.linear_bf16_panel() or cpu_kernels.linear_bf16_amx_available())
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 49000, (n,), generator=g).tolist()
+
+
+def _serve(llm, compiled: bool) -> list:
+    """A short request alone, then five at once (a shared 150-token prefix, chunked prompts
+    beside decodes), greedy; returns the requests with their logits."""
+    eng = llm.engine
+    eng.model.compiled_layers = compiled
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    manual = _prompt(1, 150)
+    done = []
+    first = eng.add_request(_prompt(2, 9), params, keep_logits=True)
+    while not first.finished:
+        eng.step()
+    done.append(first)
+    reqs = [
+        eng.add_request(manual + _prompt(10 + i, 5 + 9 * i), params, keep_logits=True)
+        for i in range(5)
+    ]
+    while not all(r.finished for r in reqs):
+        eng.step()
+    eng.kv_manager.check_integrity()
+    return done + reqs
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_compiled_layers_give_the_python_loops_bits(kernel_model_dir, dtype):
+    if not _compiled_path_here(dtype):
+        pytest.skip(f"no compiled {dtype} linear kernel on this CPU: the Python loop runs")
+    runs = {}
+    for compiled in (True, False):
+        llm = LLM(kernel_model_dir, dtype=dtype, kv_cache_gib=0.01, max_num_batched_tokens=64)
+        model = llm.engine.model
+        taken = model._compiled_layers(llm.engine.kv_caches) is not None
+        assert taken, "the compiled loop should take a model whose every part has a kernel"
+        runs[compiled] = _serve(llm, compiled)
+        assert (model._compiled is not None) == compiled
+    for fast, slow in zip(runs[True], runs[False], strict=True):
+        assert fast.output_token_ids == slow.output_token_ids
+        assert len(fast.logits) == len(slow.logits) == 6
+        for a, b in zip(fast.logits, slow.logits, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_models_without_kernels_for_every_part_keep_the_python_loop(tiny_model_dir):
+    # head size 16: no attention kernel takes it
+    llm = LLM(tiny_model_dir, dtype="float32", kv_cache_gib=0.002)
+    assert llm.engine.model._compiled_layers(llm.engine.kv_caches) is None
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    out = llm.generate(prompt_token_ids=[_prompt(3, 20)], sampling_params=params)
+    assert len(out[0].token_ids) == 3
