@@ -1,7 +1,7 @@
 """In-process engine step times for the batch shapes serving produces, with a breakdown by part.
 
     .venv/bin/python bench/steps.py [--manual-tokens 1000] [--question-tokens 48]
-        [--decodes 1 4 16] [--repeats 20] [--no-breakdown]
+        [--decodes 1 4 16] [--repeats 20] [--no-breakdown] [--compare-layers]
 
 One engine (the default model, ``auto`` dtype) caches ``manuals`` manuals; requests then ask
 about them in turn.
@@ -10,8 +10,10 @@ inputs (the KV writes land in the same slots every time): ``N decodes`` is N req
 decoding one token after the manual and a question; ``question`` adds one question's prefill
 (all of it past the cached manual) to the step. With the breakdown, a second set of passes
 times the linear layers, the attention and the fused element-wise steps one by one (each call
-timed alone: the sum runs over the total by the timer's cost). Prints a table; nothing is
-written.
+timed alone: the sum runs over the total by the timer's cost). ``--compare-layers`` times
+each shape with the model's compiled layer loop (inference/cpu_forward.py, the default) and
+with its Python loop in turn, several times, and prints both medians and their ratio in place
+of the breakdown (the two give the same bits). Prints a table; nothing is written.
 """
 
 from __future__ import annotations
@@ -106,6 +108,26 @@ class _Timer:
             setattr(owner, attr, fn)
 
 
+def _compare_layers(model, inputs, repeats: int, turns: int = 5) -> dict[bool, list[float]]:
+    """Median ms of ``repeats`` passes with the compiled layer loop and with the Python one,
+    ``turns`` times each in turn (the machine's speed drifts)."""
+    out: dict[bool, list[float]] = {True: [], False: []}
+    with torch.inference_mode():
+        for _ in range(turns):
+            for compiled in (True, False):
+                model.compiled_layers = compiled
+                for _ in range(2):
+                    model.forward(*inputs)
+                times = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    model.forward(*inputs)
+                    times.append(time.perf_counter() - t0)
+                out[compiled].append(statistics.median(times) * 1e3)
+    model.compiled_layers = True
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--manual-tokens", type=int, default=1000)
@@ -115,6 +137,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--no-breakdown", action="store_true")
     ap.add_argument("--only", help="time only the steps whose name this regular expression matches")
+    ap.add_argument(
+        "--compare-layers",
+        action="store_true",
+        help="time the compiled layer loop against the Python one, side by side",
+    )
     args = ap.parse_args()
 
     engine = LLMEngine(EngineConfig(model_dir=resolve_model(None)))
@@ -154,12 +181,21 @@ def main() -> None:
     shapes.append((f"{n} decodes + question", [*dec, (asker, q_len, q_start)]))
 
     forward = engine.model.forward
-    print("| step | median ms | linears | attention | element-wise | rest |")
-    print("|---|---|---|---|---|---|")
+    if args.compare_layers:
+        print("| step | compiled loop ms | Python loop ms | compiled / Python |")
+        print("|---|---|---|---|")
+    else:
+        print("| step | median ms | linears | attention | element-wise | rest |")
+        print("|---|---|---|---|---|---|")
     for name, chunks in shapes:
         if args.only and not re.fullmatch(args.only, name):
             continue
         inputs = _inputs(engine, chunks)
+        if args.compare_layers:
+            loops = _compare_layers(engine.model, inputs, args.repeats)
+            c, p = statistics.median(loops[True]), statistics.median(loops[False])
+            print(f"| {name} | {c:.1f} | {p:.1f} | {c / p:.2f} |")
+            continue
         with torch.inference_mode():
             for _ in range(3):
                 forward(*inputs)
