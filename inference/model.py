@@ -295,7 +295,9 @@ class LlamaModel:
         """``forward`` on the CPU (bf16 or float32) with the element-wise steps fused
         (``cpu_kernels.add_rms_norm``, ``silu_mul``, ``rotary_store``): each residual add goes
         into the next RMSNorm's pass, h is updated in place, and rotary embedding and the
-        cache store are one pass over the qkv rows (caches in the compute dtype)."""
+        cache store are one pass over the qkv rows (caches in the compute dtype). Where every
+        part has a kernel the layers run in one compiled call (``cpu_forward.CPUForward``: the
+        same calls, the same bits), else in the loop below."""
         cfg = self.cfg
         eps, inter = cfg.rms_norm_eps, cfg.intermediate_size
         qd = cfg.num_heads * cfg.head_dim
