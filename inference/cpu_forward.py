@@ -173,8 +173,8 @@ class CPUForward:
             d.input_norm = lw.input_norm.data_ptr()
             d.post_norm = lw.post_norm.data_ptr()
             for name in ("qkv", "o_proj", "gate_up", "down"):
-                setattr(d, name, _packed(getattr(lw, name)).data_ptr())
-            bias = _bias(lw.qkv)
+                setattr(d, name, getattr(lw, name).compiled()[1].data_ptr())
+            bias = lw.qkv.compiled()[2]
             d.qkv_bias = None if bias is None else bias.data_ptr()
             d.k_cache, d.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
         self.layers = layers
@@ -185,7 +185,7 @@ class CPUForward:
         if not amx:
             first = model.layers[0]  # every layer has the same shapes
             for lin in (first.qkv, first.o_proj, first.gate_up, first.down):
-                packed = _packed(lin)
+                packed = lin.compiled()[1]
                 if packed.shape[1] > cpu_kernels.LINEAR_K_BLOCK:
                     self.part_floats = max(
                         self.part_floats,
@@ -234,17 +234,21 @@ class CPUForward:
                 return None
         elif not cpu_kernels.decode_kernel_supports(dtype, dtype, heads, kvh, d, bs):
             return None
-        linears = [lin for lw in model.layers for lin in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
-        if any(lin.bias is not None for lin in linears[1::4] + linears[2::4] + linears[3::4]):
-            return None  # only the qkv product may have a bias (Qwen2)
-        if dtype == torch.float32:
-            if any(lin._panels is None for lin in linears):
-                return None
+        kinds = set()
+        for lw in model.layers:
+            for lin in (lw.qkv, lw.o_proj, lw.gate_up, lw.down):
+                kernel = lin.compiled()
+                if kernel is None:
+                    return None
+                if kernel[2] is not None and lin is not lw.qkv:
+                    return None  # only the qkv product may have a bias (Qwen2)
+                kinds.add(kernel[0])
+        if kinds == {"f32"} and dtype == torch.float32:
             return cls(model, kv_caches, amx=False)
-        if all(lin._tiles is not None for lin in linears):
+        if kinds == {"bf16"} and dtype == torch.bfloat16:
+            return cls(model, kv_caches, amx=False)
+        if kinds == {"amx"} and dtype == torch.bfloat16:
             return cls(model, kv_caches, amx=True)
-        if all(lin._bf16_panels is not None for lin in linears):
-            return cls(model, kv_caches, amx=False)
         return None
 
     def _buffers(self, rows: int) -> dict[str, torch.Tensor]:
@@ -309,15 +313,3 @@ class CPUForward:
 def kv_key(kv_caches) -> tuple[int, ...]:
     """What tells one KV pool from another (a CPUForward holds its caches' addresses)."""
     return tuple(t.data_ptr() for pair in kv_caches for t in pair)
-
-
-def _packed(lin) -> torch.Tensor:
-    for packed in (lin._panels, lin._tiles, lin._bf16_panels):
-        if packed is not None:
-            return packed
-    raise ValueError("the linear layer has no compiled kernel's packed weight")
-
-
-def _bias(lin) -> torch.Tensor | None:
-    """The bias as the kernel takes it: float32 (bf16 kernels keep a float32 copy)."""
-    return lin._bias_f32 if lin._bias_f32 is not None else lin.bias

@@ -169,6 +169,19 @@ class Linear:
                     break
                 slab //= 2
 
+    def compiled(self) -> tuple[str, torch.Tensor, torch.Tensor | None] | None:
+        """The compiled kernel this layer's products run in, as the layer loop of
+        ``cpu_forward`` calls it: (``"f32"`` for linear.c's float32 panels, ``"bf16"`` for
+        its bf16 panels, ``"amx"`` for linear_amx.c's tiles; the packed weight; the bias as
+        that kernel takes it, float32), or None where the products are torch's."""
+        if self._panels is not None:
+            return "f32", self._panels, self.bias
+        if self._bf16_panels is not None:
+            return "bf16", self._bf16_panels, self._bias_f32
+        if self._tiles is not None:
+            return "amx", self._tiles, self._bias_f32
+        return None
+
     def held_tensors(self) -> list[torch.Tensor]:
         """The tensors this layer keeps (for the model's weight bytes)."""
         held = (
