@@ -216,6 +216,9 @@ class LLMEngine:
         ]
         for line in self.kv_spec.log_lines():
             log.info(line)
+        if self.device.type == "cpu":  # built now, not in the first request's prefill
+            compiled = self.model.compiled_layer_loop(self.kv_caches) is not None
+            log.info("decoder layers: %s", "one compiled call a step" if compiled else "Python")
         self.fingerprint = model_fingerprint(
             model_dir, self.dtype, self.kv_dtype, config.block_size, config.random_weights_seed
         )

@@ -282,9 +282,9 @@ class LlamaModel:
         self.attn_backend.store_kv(k, v, k_cache, v_cache, meta)
         return q
 
-    def _compiled_layers(self, kv_caches) -> CPUForward | None:
+    def compiled_layer_loop(self, kv_caches) -> CPUForward | None:
         """The compiled layer loop over these caches (built once per pool and attention
-        backend), or None where the Python loop runs."""
+        backend, its library on first use), or None where the Python loop runs."""
         key = (self.compiled_layers, id(self.attn_backend), kv_key(kv_caches))
         if key != self._compiled_key:
             self._compiled = CPUForward.build(self, kv_caches) if self.compiled_layers else None
@@ -303,7 +303,7 @@ class LlamaModel:
         qd = cfg.num_heads * cfg.head_dim
         n = h.shape[0]
         h = h.contiguous()
-        compiled = self._compiled_layers(kv_caches) if n else None
+        compiled = self.compiled_layer_loop(kv_caches) if n else None
         if compiled is not None:
             delta = compiled.run(h, positions, meta)
             h = h[logits_indices] + delta[logits_indices]

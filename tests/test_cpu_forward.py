@@ -67,7 +67,7 @@ def test_compiled_layers_give_the_python_loops_bits(kernel_model_dir, dtype):
     for compiled in (True, False):
         llm = LLM(kernel_model_dir, dtype=dtype, kv_cache_gib=0.01, max_num_batched_tokens=64)
         model = llm.engine.model
-        taken = model._compiled_layers(llm.engine.kv_caches) is not None
+        taken = model.compiled_layer_loop(llm.engine.kv_caches) is not None
         assert taken, "the compiled loop should take a model whose every part has a kernel"
         runs[compiled] = _serve(llm, compiled)
         assert (model._compiled is not None) == compiled
@@ -81,7 +81,7 @@ def test_compiled_layers_give_the_python_loops_bits(kernel_model_dir, dtype):
 def test_models_without_kernels_for_every_part_keep_the_python_loop(tiny_model_dir):
     # head size 16: no attention kernel takes it
     llm = LLM(tiny_model_dir, dtype="float32", kv_cache_gib=0.002)
-    assert llm.engine.model._compiled_layers(llm.engine.kv_caches) is None
+    assert llm.engine.model.compiled_layer_loop(llm.engine.kv_caches) is None
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     out = llm.generate(prompt_token_ids=[_prompt(3, 20)], sampling_params=params)
     assert len(out[0].token_ids) == 3
