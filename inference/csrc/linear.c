@@ -161,7 +161,7 @@ TILE(4, 2) TILE(5, 2) TILE(6, 2)
 #ifdef HAVE_BF16
 BF_TILE(1, 1) BF_TILE(2, 1) BF_TILE(3, 1) BF_TILE(4, 1) BF_TILE(5, 1) BF_TILE(6, 1)
 BF_TILE(7, 1) BF_TILE(8, 1) BF_TILE(1, 4) BF_TILE(2, 4) BF_TILE(3, 4) BF_TILE(4, 3) BF_TILE(5, 3) BF_TILE(6, 3) BF_TILE(7, 3)
-BF_TILE(8, 3)
+BF_TILE(8, 3) BF_TILE(1, 3) BF_TILE(2, 3) BF_TILE(3, 3)
 #endif
 
 /* Rows per full tile: float32 takes MAX_MR rows x 1 panel (one FMA per broadcast); bf16
@@ -170,9 +170,9 @@ BF_TILE(8, 3)
  * vdpbf16ps peak, against 301 for 12 x 1 tiles). */
 #define BF_MR 8
 
-/* the tiles for `rows` rows (1 .. the family's full rows): the widest one's panel count, it,
- * and one panel */
-static void pick(int rows, int bf, int *np, tile_fn *wide, tile_fn *narrow) {
+/* the tiles for `rows` rows (1 .. the family's full rows), `with_full` when they are the last
+ * rows of a call that has full tiles too: the widest one's panel count, it, and one panel */
+static void pick(int rows, int bf, int with_full, int *np, tile_fn *wide, tile_fn *narrow) {
     static const tile_fn one[] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1
 #ifdef __AVX512F__
                                   , tile_7_1, tile_8_1, tile_9_1, tile_10_1, tile_11_1, tile_12_1
@@ -191,14 +191,18 @@ static void pick(int rows, int bf, int *np, tile_fn *wide, tile_fn *narrow) {
     static const tile_fn wide_bf[] = {0, bf_tile_1_4, bf_tile_2_4, bf_tile_3_4, bf_tile_4_3,
                                       bf_tile_5_3, bf_tile_6_3, bf_tile_7_3, bf_tile_8_3};
     static const int np_bf[] = {0, 4, 4, 4, 3, 3, 3, 3, 3};
+    /* the last 1-3 rows of a call that also has full tiles, whose work items are groups of
+     * three panels: they take three panels at once too (one panel at a time, their few
+     * sums waited on the products' latency) */
+    static const tile_fn rest_bf[] = {0, bf_tile_1_3, bf_tile_2_3, bf_tile_3_3};
     if (bf) {
         *narrow = one_bf[rows];
-        *wide = wide_bf[rows];
-        *np = np_bf[rows];
+        *wide = rows < 4 && with_full ? rest_bf[rows] : wide_bf[rows];
+        *np = rows < 4 && with_full ? 3 : np_bf[rows];
         return;
     }
 #endif
-    (void)bf;
+    (void)bf, (void)with_full;
     *narrow = one[rows];
     *wide = rows < n_wide ? wide_f32[rows] : one[rows];
     *np = rows < n_wide ? np_f32[rows] : 1;
@@ -232,8 +236,8 @@ static int linear(const void *x, int m, int64_t ldx, const float *packed, int n,
         const int full = rows / MR, rest = rows % MR;
         int np_full = 1, np_rest = 1;
         tile_fn wide_full = 0, narrow_full = 0, wide_rest = 0, narrow_rest = 0;
-        if (full) pick(MR, bf, &np_full, &wide_full, &narrow_full);
-        if (rest) pick(rest, bf, &np_rest, &wide_rest, &narrow_rest);
+        if (full) pick(MR, bf, 0, &np_full, &wide_full, &narrow_full);
+        if (rest) pick(rest, bf, full > 0, &np_rest, &wide_rest, &narrow_rest);
         /* a work item is a group of panels as wide as the widest tile used */
         const int group = full ? np_full : np_rest;
         const int groups = (panels + group - 1) / group;
