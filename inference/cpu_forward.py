@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import subprocess
 from pathlib import Path
 
@@ -25,6 +26,8 @@ import torch
 
 from inference import cpu_kernels
 from inference.attention import AttentionMetadata
+
+log = logging.getLogger("docqa.engine")
 
 SOURCE = Path(__file__).parent / "csrc" / "forward.c"
 _p, _i32, _i64, _f = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
@@ -102,7 +105,8 @@ def forward_library() -> ctypes.CDLL | None:
     """The compiled layer loop, or None where it does not build."""
     try:
         lib = ctypes.CDLL(str(cpu_kernels.build(SOURCE)))
-    except (cpu_kernels.KernelBuildError, OSError, subprocess.SubprocessError):
+    except (cpu_kernels.KernelBuildError, OSError, subprocess.SubprocessError) as e:
+        log.warning("compiled layer loop unavailable, the layers run from Python: %s", e)
         return None
     fn = lib.docqa_forward_layers
     fn.argtypes = [
