@@ -1,6 +1,6 @@
 """The decoder layers of a step in one call to compiled code (``inference/csrc/forward.c``).
 
-``LlamaModel._forward_fused`` calls nine kernels a layer from Python: 270 calls a step for
+``LlamaModel._fused_layers`` calls nine kernels a layer from Python: 270 calls a step for
 SmolLM2, each wrapped in argument checks, views, allocations and ctypes conversions. On a
 2-core Zen 4 that interpreter work measured 2.5 ms of an 11.6 ms one-token decode step and
 3-6 ms of a step under load, while the other thread waits. ``CPUForward`` hands the same
@@ -136,10 +136,11 @@ _CALLS = (
 
 
 class CPUForward:
-    """The layer loop of one model over one KV pool, in C. ``run`` is ``_forward_fused``'s
-    loop: it updates ``h`` in place and returns the last layer's MLP output (not yet added).
-    Its buffers are kept between steps (grown when a step has more rows), so it must be used
-    from one thread at a time, as the engine's step loop does."""
+    """The layer loop of one model over one KV pool, in C. ``run`` does what
+    ``LlamaModel._fused_layers`` does: it updates ``h`` in place and returns the last layer's
+    MLP output (not yet added). Its buffers are kept between steps (grown when a step has
+    more rows), so it must be used from one thread at a time, as the engine's step loop
+    does."""
 
     def __init__(self, model, kv_caches, amx: bool):
         cfg = model.cfg

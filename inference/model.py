@@ -297,18 +297,24 @@ class LlamaModel:
         into the next RMSNorm's pass, h is updated in place, and rotary embedding and the
         cache store are one pass over the qkv rows (caches in the compute dtype). Where every
         part has a kernel the layers run in one compiled call (``cpu_forward.CPUForward``: the
-        same calls, the same bits), else in the loop below."""
+        same calls, the same bits), else from Python (``_fused_layers``)."""
+        h = h.contiguous()
+        compiled = self.compiled_layer_loop(kv_caches) if h.shape[0] else None
+        if compiled is not None:
+            delta = compiled.run(h, positions, meta)
+        else:
+            delta = self._fused_layers(h, positions, meta, kv_caches)
+        h = h[logits_indices] + delta[logits_indices]
+        h = cpu_kernels.add_rms_norm(h, None, self.final_norm, self.cfg.rms_norm_eps)
+        return self.lm_head(h).float()
+
+    def _fused_layers(self, h, positions, meta, kv_caches) -> torch.Tensor:
+        """The layers of ``_forward_fused`` from Python, one kernel call at a time: h is
+        updated in place; returns the last layer's MLP output (not yet added to h)."""
         cfg = self.cfg
         eps, inter = cfg.rms_norm_eps, cfg.intermediate_size
         qd = cfg.num_heads * cfg.head_dim
         n = h.shape[0]
-        h = h.contiguous()
-        compiled = self.compiled_layer_loop(kv_caches) if n else None
-        if compiled is not None:
-            delta = compiled.run(h, positions, meta)
-            h = h[logits_indices] + delta[logits_indices]
-            h = cpu_kernels.add_rms_norm(h, None, self.final_norm, eps)
-            return self.lm_head(h).float()
         delta = None  # the last layer's MLP output, not yet added to h
         cos_sin = None  # gathered once where the torch rotary path runs (a cache in another
         # dtype, or a backend that stores K/V itself)
@@ -335,6 +341,4 @@ class LlamaModel:
             attn = self.attn_backend.attention(q, k_cache, v_cache, meta, self.scale)
             x = cpu_kernels.add_rms_norm(h, lw.o_proj(attn.reshape(n, qd)), lw.post_norm, eps)
             delta = lw.down(cpu_kernels.silu_mul(lw.gate_up(x), inter))
-        h = h[logits_indices] + delta[logits_indices]
-        h = cpu_kernels.add_rms_norm(h, None, self.final_norm, eps)
-        return self.lm_head(h).float()
+        return delta

@@ -1,6 +1,6 @@
 /* The decoder layers of one engine step in one call: the CPU fast path of LlamaModel.forward.
  *
- * Per layer it makes the calls LlamaModel._forward_fused makes, in the same order and with the
+ * Per layer it makes the calls LlamaModel._fused_layers makes, in the same order and with the
  * same arguments: RMSNorm (with the last layer's MLP output added to the residual first), the
  * qkv product, rotary embedding and the K/V store, attention, the output product, RMSNorm with
  * the attention output added, the gate/up product, SiLU times up, the down product. So its
