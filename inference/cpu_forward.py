@@ -207,6 +207,11 @@ class CPUForward:
         }
         self.capacity = 0  # rows the kept buffers hold
         self.buffers: dict[str, torch.Tensor] = {}
+        # what no step changes: the partial-sum scratch and the rotary tables
+        self.part = torch.empty(max(self.part_floats, 1), dtype=torch.float32)
+        self.step.part = self.part.data_ptr()
+        self.step.cos = model.rotary.cos.data_ptr()
+        self.step.sin = model.rotary.sin.data_ptr()
 
     @classmethod
     def build(cls, model, kv_caches) -> CPUForward | None:
@@ -256,21 +261,22 @@ class CPUForward:
             return cls(model, kv_caches, amx=True)
         return None
 
-    def _buffers(self, rows: int) -> dict[str, torch.Tensor]:
-        """The step's buffers, [rows, width] views of ones kept between steps."""
-        widths = self.widths
-        if rows > self.capacity:
-            self.capacity = max(rows, 2 * self.capacity)
-            self.buffers = {
-                name: torch.empty(self.capacity * w, dtype=self.model.dtype)
-                for name, w in widths.items()
-            }
-            if not self.bf16:
-                self.buffers["attn_f32"] = torch.empty(
-                    self.capacity * widths["attn"], dtype=torch.float32
-                )
-            self.buffers["part"] = torch.empty(max(self.part_floats, 1), dtype=torch.float32)
-        return {name: self.buffers[name][: rows * w].view(rows, w) for name, w in widths.items()}
+    def _reserve(self, rows: int) -> None:
+        """Buffers for at least ``rows`` rows, kept between steps; the step struct points at
+        them (a step's rows start at each buffer's first element)."""
+        if rows <= self.capacity:
+            return
+        self.capacity = max(rows, 2 * self.capacity)
+        self.buffers = {
+            name: torch.empty(self.capacity * w, dtype=self.model.dtype)
+            for name, w in self.widths.items()
+        }
+        if not self.bf16:
+            self.buffers["attn_f32"] = torch.empty(
+                self.capacity * self.widths["attn"], dtype=torch.float32
+            )
+        for name, buf in self.buffers.items():
+            setattr(self.step, name, buf.data_ptr())
 
     def run(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         """``h`` [rows, hidden] (contiguous) through every layer, in place; returns the last
@@ -281,21 +287,15 @@ class CPUForward:
         backend = self.model.attn_backend
         group = cfg.num_heads // cfg.num_kv_heads
         plan = backend.plan(meta, h.device, self.desc.block_size, group, self.bf16)
-        bufs = self._buffers(rows)
-        q_start = backend.offsets(meta, plan.q_rows, bufs["qkv"].shape[1])
-        out_start = backend.offsets(meta, plan.q_rows, bufs["attn"].shape[1])
+        self._reserve(rows)
+        q_start = backend.offsets(meta, plan.q_rows, self.widths["qkv"])
+        out_start = backend.offsets(meta, plan.q_rows, self.widths["attn"])
         s = self.step
         s.rows = rows
         s.num_threads = torch.get_num_threads()
         s.h = h.data_ptr()
-        for name in ("x", "qkv", "attn", "o", "gu", "act", "delta"):
-            setattr(s, name, bufs[name].data_ptr())
-        s.part = self.buffers["part"].data_ptr()
-        s.attn_f32 = None if self.bf16 else self.buffers["attn_f32"].data_ptr()
         s.positions = positions.data_ptr()
         s.slots = meta.slot_mapping.data_ptr()
-        s.cos = self.model.rotary.cos.data_ptr()
-        s.sin = self.model.rotary.sin.data_ptr()
         s.num_tokens = plan.q_rows.shape[0]
         s.num_groups = plan.group_shared.shape[0]
         s.table_stride = plan.tables.stride(0)
@@ -312,7 +312,8 @@ class CPUForward:
             raise ValueError(
                 f"layer {layer}: the {_CALLS[call]} kernel refused its sizes ({rows} rows)"
             )
-        return bufs["delta"]
+        hidden = self.widths["delta"]
+        return self.buffers["delta"][: rows * hidden].view(rows, hidden)
 
 
 def kv_key(kv_caches) -> tuple[int, ...]:
