@@ -9,8 +9,9 @@ Each shape is timed as the median of ``repeats`` forward passes of the model wit
 inputs (the KV writes land in the same slots every time): ``N decodes`` is N requests each
 decoding one token after the manual and a question; ``question`` adds one question's prefill
 (all of it past the cached manual) to the step. With the breakdown, a second set of passes
-times the linear layers, the attention and the fused element-wise steps one by one (each call
-timed alone: the sum runs over the total by the timer's cost). ``--compare-layers`` times
+times the linear layers, the attention and the fused element-wise steps one by one through the
+model's Python layer loop (each call timed alone: the sum runs over the total by the timer's
+cost and by the Python loop's own). ``--compare-layers`` times
 each shape with the model's compiled layer loop (inference/cpu_forward.py, the default) and
 with its Python loop in turn, several times, and prints both medians and their ratio in place
 of the breakdown (the two give the same bits). Prints a table; nothing is written.
@@ -207,9 +208,12 @@ def main() -> None:
             med = statistics.median(times) * 1e3
             parts = ""
             if not args.no_breakdown:
+                compiled = engine.model.compiled_layers
+                engine.model.compiled_layers = False  # the parts are timed through Python
                 with _Timer(engine) as timer:
                     for _ in range(args.repeats):
                         forward(*inputs)
+                engine.model.compiled_layers = compiled
                 p = {k: v * 1e3 / args.repeats for k, v in timer.totals.items()}
                 lin, att, ew = p.get("linears", 0), p.get("attention", 0), p.get("element-wise", 0)
                 parts = f"{lin:.1f} | {att:.1f} | {ew:.1f} | {max(med - lin - att - ew, 0):.1f}"
