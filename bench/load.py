@@ -17,10 +17,12 @@ one request at the first level, and ``--ramp-s 0`` starts them all at once. Repo
 throughput, output tokens/s, TTFT and TPOT p50/p99 (client side) and the cache hit rate, as a
 table and as JSON under bench/results/, with the share of a core the clients themselves took
 (all of them run in one thread on one selector, bench/sse_clients.py, so that the load
-generator takes as little as it can of the CPU the server runs on). ``--rounds R`` runs the
-levels R times in turn and pools each level's answers, so that a slow spell of the machine
-falls on every level alike; the ratios of each round are printed too. Without ``--url`` it
-starts its own server.
+generator takes as little as it can of the CPU the server runs on) and the engine's own steps
+at each level, from the server's /metrics: time in the model per step and the decode and
+prompt tokens a step carried (the step time apart from what the HTTP side adds).
+``--rounds R`` runs the levels R times in turn and pools each level's answers, so that a slow
+spell of the machine falls on every level alike; the ratios of each round are printed too.
+Without ``--url`` it starts its own server.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+
+from svc_helpers import metrics  # noqa: E402
 
 from bench.sse_clients import run_clients  # noqa: E402
 from bench.ttft import manual_text  # noqa: E402
@@ -169,6 +173,25 @@ def record(body: dict, token_times: list[float], t0: float, end: float, final: d
     }
 
 
+STEP_METRICS = {
+    "steps": "docqa:scheduler_step_seconds_count",
+    "step_s": "docqa:scheduler_step_seconds_sum",
+    "decode_tokens": "docqa:decode_tokens_per_step_sum",
+    "prompt_tokens": "docqa:prefill_tokens_per_step_sum",
+}
+
+
+def engine_counters(c: httpx.Client) -> dict[str, float] | None:
+    """The engine's step counters from /metrics (None when the server does not show them)."""
+    try:
+        m = metrics(c)
+    except httpx.HTTPError:
+        return None
+    if not all(name in m for name in STEP_METRICS.values()):
+        return None
+    return {key: m[name] for key, name in STEP_METRICS.items()}
+
+
 def run_level(url, headers, tok, args, concurrency: int, rng: random.Random, ramp_s: float) -> dict:
     with httpx.Client(base_url=url, headers=headers, timeout=900) as c:
         manual_ids = []
@@ -177,6 +200,7 @@ def run_level(url, headers, tok, args, concurrency: int, rng: random.Random, ram
             m = c.post("/v1/manuals", json={"title": f"load {g}", "text": text}).json()
             c.post(f"/v1/manuals/{m['id']}/warm").raise_for_status()
             manual_ids.append(m["id"])
+        before = engine_counters(c)
     n_jobs = max(args.groups * args.prompts_per_group, concurrency * args.requests_per_client)
     jobs = [
         {
@@ -203,16 +227,32 @@ def run_level(url, headers, tok, args, concurrency: int, rng: random.Random, ram
         lambda *a: results.append(record(*a)),
     )
     wall = time.perf_counter() - t0
-    return summarize(concurrency, ramp_s, results, wall, time.process_time() - cpu0)
+    cpu = time.process_time() - cpu0
+    engine = None
+    if before is not None:
+        with httpx.Client(base_url=url, headers=headers, timeout=60) as c:
+            after = engine_counters(c)
+        if after is not None:
+            engine = {k: after[k] - before[k] for k in STEP_METRICS}
+    return summarize(concurrency, ramp_s, results, wall, cpu, engine)
 
 
 def summarize(
-    concurrency: int, ramp_s: float, results: list[dict], wall: float, client_cpu: float
+    concurrency: int,
+    ramp_s: float,
+    results: list[dict],
+    wall: float,
+    client_cpu: float,
+    engine: dict[str, float] | None,
 ) -> dict:
-    """A level's figures over its answers (several rounds' answers pooled, walls added)."""
+    """A level's figures over its answers (several rounds' answers pooled, walls and engine
+    counters added). ``engine``: the engine's step counters over the level (the steps the
+    server ran while its clients asked: their count, seconds in the model, and the decode and
+    prompt tokens they carried), or None where /metrics does not show them."""
     ttft = [r["ttft_ms"] for r in results]
     tpot = [r["tpot_ms"] for r in results]
     out_tokens = sum(r["completion_tokens"] for r in results)
+    steps = engine["steps"] if engine else 0
     return {
         "concurrency": concurrency,
         "ramp_s": ramp_s,
@@ -228,6 +268,10 @@ def summarize(
         / sum(r["prompt_tokens"] for r in results),
         "client_cpu_s": client_cpu,
         "client_cpu_share": client_cpu / wall,  # of one core, taken by this load generator
+        "engine": engine,
+        "step_ms": engine["step_s"] * 1000 / steps if steps else None,
+        "decode_tokens_per_step": engine["decode_tokens"] / steps if steps else None,
+        "prompt_tokens_per_step": engine["prompt_tokens"] / steps if steps else None,
         "per_request": results,
     }
 
@@ -236,6 +280,7 @@ def pooled(rounds: list[list[dict]]) -> list[dict]:
     """Each level's answers from every round together."""
     out = []
     for same in zip(*rounds, strict=True):
+        engines = [lvl["engine"] for lvl in same]
         out.append(
             summarize(
                 same[0]["concurrency"],
@@ -243,6 +288,7 @@ def pooled(rounds: list[list[dict]]) -> list[dict]:
                 [r for lvl in same for r in lvl["per_request"]],
                 sum(lvl["wall_s"] for lvl in same),
                 sum(lvl["client_cpu_s"] for lvl in same),
+                None if None in engines else {k: sum(e[k] for e in engines) for k in STEP_METRICS},
             )
         )
     return out
@@ -350,6 +396,18 @@ def main() -> int:
             f"| {lvl['tpot_p50_ms']:.1f} | {lvl['tpot_p99_ms']:.1f} "
             f"| {lvl['cache_hit_rate']:.3f} | {lvl['client_cpu_share']:.1%} |"
         )
+    if all(lvl["step_ms"] is not None for lvl in levels):
+        print(
+            "\nengine steps while the clients asked (from /metrics): time in the model per step "
+            "and the tokens a step carried\n"
+        )
+        print("| clients | steps | ms per step | decode tokens per step | prompt tokens per step |")
+        print("|---|---|---|---|---|")
+        for lvl in levels:
+            print(
+                f"| {lvl['concurrency']} | {lvl['engine']['steps']:.0f} | {lvl['step_ms']:.1f} "
+                f"| {lvl['decode_tokens_per_step']:.1f} | {lvl['prompt_tokens_per_step']:.1f} |"
+            )
     decode = 1000 / base["tpot_p50_ms"] if base["tpot_p50_ms"] else float("nan")
     llama, llama_source = llama_cpp_decode()
     print(
