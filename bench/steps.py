@@ -20,6 +20,7 @@ of the breakdown (the two give the same bits). Prints a table; nothing is writte
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import statistics
 import sys
@@ -109,6 +110,17 @@ class _Timer:
             setattr(owner, attr, fn)
 
 
+@contextlib.contextmanager
+def _layer_loop(model, compiled: bool):
+    """The model's compiled layer loop on or off for the block, then as it was."""
+    saved = model.compiled_layers
+    model.compiled_layers = compiled
+    try:
+        yield
+    finally:
+        model.compiled_layers = saved
+
+
 def _compare_layers(model, inputs, repeats: int, turns: int = 5) -> dict[bool, list[float]]:
     """Median ms of ``repeats`` passes with the compiled layer loop and with the Python one,
     ``turns`` times each in turn (the machine's speed drifts)."""
@@ -116,16 +128,15 @@ def _compare_layers(model, inputs, repeats: int, turns: int = 5) -> dict[bool, l
     with torch.inference_mode():
         for _ in range(turns):
             for compiled in (True, False):
-                model.compiled_layers = compiled
-                for _ in range(2):
-                    model.forward(*inputs)
-                times = []
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    model.forward(*inputs)
-                    times.append(time.perf_counter() - t0)
+                with _layer_loop(model, compiled):
+                    for _ in range(2):
+                        model.forward(*inputs)
+                    times = []
+                    for _ in range(repeats):
+                        t0 = time.perf_counter()
+                        model.forward(*inputs)
+                        times.append(time.perf_counter() - t0)
                 out[compiled].append(statistics.median(times) * 1e3)
-    model.compiled_layers = True
     return out
 
 
@@ -208,12 +219,10 @@ def main() -> None:
             med = statistics.median(times) * 1e3
             parts = ""
             if not args.no_breakdown:
-                compiled = engine.model.compiled_layers
-                engine.model.compiled_layers = False  # the parts are timed through Python
-                with _Timer(engine) as timer:
+                # the parts are timed through the Python loop, which calls them one by one
+                with _layer_loop(engine.model, False), _Timer(engine) as timer:
                     for _ in range(args.repeats):
                         forward(*inputs)
-                engine.model.compiled_layers = compiled
                 p = {k: v * 1e3 / args.repeats for k, v in timer.totals.items()}
                 lin, att, ew = p.get("linears", 0), p.get("attention", 0), p.get("element-wise", 0)
                 parts = f"{lin:.1f} | {att:.1f} | {ew:.1f} | {max(med - lin - att - ew, 0):.1f}"
