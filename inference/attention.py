@@ -469,7 +469,8 @@ class CPUBackend(TorchBackend):
 
     Other dtypes (float32) and shapes: every token of the step, prompt and decode alike,
     through ``cpu_kernels.decode_attention`` where it takes the shape (units of up to
-    ``16 // group`` tokens), else the torch path; there too a token's result is the same
+    ``48 // group`` tokens on its register-tiled float32 path, x86 with FMA, else
+    ``16 // group``), else the torch path; there too a token's result is the same
     bits as a prompt token or a decode token, alone or in any batch."""
 
     name = "cpu"
@@ -502,18 +503,26 @@ class CPUBackend(TorchBackend):
             shared,
         )
 
-    def plan(self, meta: AttentionMetadata, device, bs: int, group: int, bf16: bool) -> StepPlan:
+    def plan(
+        self, meta: AttentionMetadata, device, bs: int, group: int, bf16: bool, tiled: bool = False
+    ) -> StepPlan:
         """A kernel's tokens and groups for this step (built once, used by every layer):
         prompt chunks first, cut into groups of consecutive tokens, then the decode tokens
         grouped by shared leading blocks; then the groups with the most keys to walk first
         (``_largest_first``). A prompt group shares its chunk's table: for the bf16 kernel
-        every key of the group (its last token's context), for the float32 one the whole
-        rounds of its first token's context."""
-        key = "cpu-bf16" if bf16 else "cpu-f32"
+        and the register-tiled float32 one every key of the group (its last token's context),
+        for the other float32 one the whole rounds of its first token's context."""
+        key = "cpu-bf16" if bf16 else "cpu-f32-tiled" if tiled else "cpu-f32"
         plan = meta.scratch.get(key)
         if plan is not None:
             return plan
-        max_rows = self.k.BF16_MAX_ROWS if bf16 else self.k.MAX_ROWS
+        # units that walk a prompt chunk's last context for all its tokens (each masked at
+        # its own), or only the whole rounds of its first token's
+        whole = bf16 or tiled
+        if bf16:
+            max_rows = self.k.BF16_MAX_ROWS
+        else:
+            max_rows = self.k.TILED_MAX_ROWS if tiled else self.k.MAX_ROWS
         per = max(1, max_rows // group)
         q_rows: list[int] = []
         seq_of: list[int] = []
@@ -531,7 +540,7 @@ class CPUBackend(TorchBackend):
                     seq_of.extend([i] * n)
                     ctx.extend(range(first + c + 1, first + c + n + 1))
                     starts.append(len(q_rows))
-                    if bf16:
+                    if whole:
                         shared.append(first + c + n)  # every key of the group
                     else:
                         shared.append((first + c + 1) // self.k.ROUND * self.k.ROUND)
@@ -580,7 +589,8 @@ class CPUBackend(TorchBackend):
             )
         if not self.k.decode_kernel_supports(q.dtype, k_cache.dtype, num_heads, kvh, d, bs):
             return paged_attention_reference(q, k_cache, v_cache, meta, scale)
-        rows, tables, ctx, starts, shared = self.plan(meta, q.device, bs, group, False)
+        tiled = self.k.decode_attention_tiled(q.dtype, k_cache.dtype, d)
+        rows, tables, ctx, starts, shared = self.plan(meta, q.device, bs, group, False, tiled)
         o = self.k.decode_attention(
             q,
             rows,

@@ -146,6 +146,10 @@ class CPUForward:
         cfg = model.cfg
         self.model = model
         self.bf16 = model.dtype == torch.bfloat16
+        # float32 attention on its register-tiled path plans units of up to 48 query rows
+        self.tiled = not self.bf16 and cpu_kernels.decode_attention_tiled(
+            model.dtype, model.dtype, cfg.head_dim
+        )
         el = cpu_kernels.elementwise_library()
         suffix = "bf16" if self.bf16 else "f32"
         if amx:
@@ -286,7 +290,7 @@ class CPUForward:
         rows = h.shape[0]
         backend = self.model.attn_backend
         group = cfg.num_heads // cfg.num_kv_heads
-        plan = backend.plan(meta, h.device, self.desc.block_size, group, self.bf16)
+        plan = backend.plan(meta, h.device, self.desc.block_size, group, self.bf16, self.tiled)
         self._reserve(rows)
         q_start = backend.offsets(meta, plan.q_rows, self.widths["qkv"])
         out_start = backend.offsets(meta, plan.q_rows, self.widths["attn"])

@@ -109,6 +109,8 @@ def decode_attention_library() -> ctypes.CDLL:
     lib.docqa_attention_bf16_exp.restype = i
     lib.docqa_attention_bf16_dims.argtypes = []
     lib.docqa_attention_bf16_dims.restype = i
+    lib.docqa_decode_attention_tiled.argtypes = [i, i, i]
+    lib.docqa_decode_attention_tiled.restype = i
     lib.docqa_attention_amx_init.argtypes = []
     lib.docqa_attention_amx_init.restype = i
     # bf16 products on the AMX tile unit where the CPU, the build and Linux allow it (every
@@ -475,6 +477,7 @@ def decode_kernel_supports(
 
 ROUND = 64  # keys per online-softmax round (decode_attention.c); shared parts end on one
 MAX_ROWS = 16  # query rows per work unit of docqa_decode_attention
+TILED_MAX_ROWS = 48  # the same on its register-tiled float32 path (decode_attention_tiled)
 BF16_MAX_ROWS = 48  # query rows per work unit of docqa_attention_bf16
 
 
@@ -493,6 +496,17 @@ def bf16_kernel_supports(
 @functools.cache
 def _bf16_dims() -> int:
     return decode_attention_library().docqa_attention_bf16_dims()
+
+
+@functools.cache
+def decode_attention_tiled(q_dtype: torch.dtype, kv_dtype: torch.dtype, dim: int) -> bool:
+    """Whether ``decode_attention`` takes these dtypes and head size on its register-tiled
+    float32 path here (x86 with FMA): units of up to TILED_MAX_ROWS query rows, and a prompt
+    chunk's tokens may walk the chunk's last context together, each masked at its own."""
+    if q_dtype not in DTYPES or kv_dtype not in DTYPES:
+        return False
+    lib = decode_attention_library()
+    return bool(lib.docqa_decode_attention_tiled(DTYPES[q_dtype], DTYPES[kv_dtype], dim))
 
 
 def decode_groups(

@@ -179,7 +179,8 @@ def test_bf16_kernel_exponential_is_accurate():
 def test_kernel_gives_a_prompt_token_the_bits_of_a_decode_token(dtype):
     """One path for every token: each token of a prompt chunk has the same bits as the same
     query at the same position computed as a decode token, alone (bf16: the bf16 kernel's
-    units of consecutive tokens; float32: the float32 kernel's units of 5 consecutive tokens
+    units of consecutive tokens; float32: on x86 with FMA the register-tiled units of 16
+    consecutive tokens walking the last one's context, each masked at its own, else units of 5
     sharing the whole rounds of the first one's context)."""
     if dtype == torch.bfloat16:
         _bf16_kernel()
@@ -424,6 +425,38 @@ def test_decode_kernel_groups_share_reads_without_changing_outputs():
     assert torch.equal(grouped, cpu_kernels.decode_attention(*args)), f"seed {SEED}"
     ref = _dense(q, k_cache, v_cache, tables, specs, 0.125)[order]
     assert (grouped.double() - ref).abs().max().item() < 1e-4
+
+
+def test_tiled_float32_kernel_masks_each_row_at_its_own_context():
+    """On the register-tiled float32 path a prompt chunk's tokens walk the chunk's last
+    context together, 16 tokens (48 query rows) to a unit, each row masked at its own context:
+    every token gets the bits it gets alone, at chunk starts on and off the 64-key rounds, and
+    stays as close to float64 attention as the reference path."""
+    if not cpu_kernels.decode_attention_tiled(torch.float32, torch.float32, 64):
+        pytest.skip("no register-tiled float32 path on this CPU (x86 with FMA)")
+    rng = random.Random(SEED)
+    bs, d = 16, 64
+    for first, n in ((0, 70), (1000, 51), (63, 40), (130, 5)):
+        specs = [(first + n, n, False, False)]
+        k_cache, v_cache, tables, _ = _step(rng, bs, 3, d, torch.float32, specs)
+        q = torch.randn(n, 9, d, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+        rows = torch.arange(n)
+        bt = torch.tensor([tables[0]] * n, dtype=torch.int32)
+        ctx = torch.arange(first + 1, first + n + 1, dtype=torch.int32)
+        starts = list(range(0, n, 16)) + [n]
+        shared = [int(ctx[b - 1]) for b in starts[1:]]  # every key of the unit's last token
+        args = (q, rows, k_cache, v_cache, bt, ctx, 0.125)
+        grouped = cpu_kernels.decode_attention(
+            *args, torch.tensor(starts, dtype=torch.int32), torch.tensor(shared, dtype=torch.int32)
+        )
+        assert torch.equal(grouped, cpu_kernels.decode_attention(*args)), f"{first} (seed {SEED})"
+        ref = _dense(q, k_cache, v_cache, tables, specs, 0.125)
+        assert (grouped.double() - ref).abs().max().item() < 1e-5
+        # a unit's shared keys off the rounds must cover every context of the unit
+        short = torch.tensor([shared[0] - 1] + shared[1:], dtype=torch.int32)
+        if short[0] % cpu_kernels.ROUND:
+            with pytest.raises(ValueError, match="outside its limits"):
+                cpu_kernels.decode_attention(*args, torch.tensor(starts, dtype=torch.int32), short)
 
 
 def test_cpu_backend_reads_strided_queries_in_place():

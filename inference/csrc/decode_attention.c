@@ -1,6 +1,6 @@
 /* Paged attention on the CPU, read in place from the paged KV pool (no gather):
  *   - docqa_decode_attention: each decode token's query heads against its context, in float32
- *     from bf16 or float32 K/V (this part);
+ *     from bf16 or float32 K/V (this part; float32 K/V register-tiled on x86 with FMA);
  *   - docqa_attention_bf16: every token of a step, prompt and decode, in bf16 products with
  *     float32 sums on AVX512-BF16 (the second part of this file).
  *
@@ -19,11 +19,13 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAX_DIM 256
 #define MAX_GROUP 16
 #define MAX_ROWS 16 /* query rows in one unit */
+#define MAX_UNIT_ROWS 48 /* the same on the register-tiled float32 path */
 #define ROUND 64 /* keys per online-softmax round, from key 0 */
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
@@ -344,11 +346,300 @@ static void unit_any(const void *q, int q_dtype, const int64_t *q_rows, int memb
                 num_kv_heads, chunks, k_cache, v_cache, kv_dtype, block_size, scale, out);
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * float32 K/V on x86 with FMA: the same rounds, register-tiled.
+ *
+ * Per round and unit, the round's K rows are transposed into KT[dim][ROUND] (8 x 8 blocks), so
+ * a tile of up to TILE_ROWS rows and KEY_VECS vectors of keys keeps its scores in registers:
+ * score(r, j) is one fused multiply-add chain over the dims 0 .. dim - 1 in order, from zero.
+ * The weighted values go the other way: a tile of rows by VAL_VECS vectors of dims holds its
+ * outputs in registers while the round's V rows stream past, out(r, :) first rescaled by the
+ * round's alpha and then gaining p(r, j) V(j, :) for j = 0, 1, ... in order. Neither order
+ * depends on which rows share the tile or the unit, so a row's bits stay a function of its
+ * query, its context and the block size, as above. A unit holds up to MAX_UNIT_ROWS rows (16
+ * tokens of 3 query heads per KV head: the K transpose serves them all), and a prompt chunk's
+ * tokens walk the chunk's last context together, each row masked at its own.
+ * ------------------------------------------------------------------------------------------- */
+#if defined(__AVX__) && defined(__FMA__)
+#include <immintrin.h>
+#define TILED_F32 1
+#define TILE_ROWS 6
+#define KEY_VECS 2 /* key vectors per score tile */
+#define VAL_VECS 2 /* dim vectors per output tile */
+
+#if LANES == 16
+#define VFMA(a, b, c) ((vf)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(c)))
+#define VBCAST(p) ((vf)_mm512_set1_ps(*(p)))
+#else
+#define VFMA(a, b, c) ((vf)_mm256_fmadd_ps((__m256)(a), (__m256)(b), (__m256)(c)))
+#define VBCAST(p) ((vf)_mm256_broadcast_ss(p))
+#endif
+
+static const float zero_row[MAX_DIM];
+
+/* dims c0 .. c0 + 7 of 8 rows -> 8 rows of dst (stride ROUND): dst[i][j] = rows[j][c0 + i] */
+static inline void transpose8(const float *const *rows, int c0, float *dst) {
+    const __m256 r0 = _mm256_loadu_ps(rows[0] + c0), r1 = _mm256_loadu_ps(rows[1] + c0);
+    const __m256 r2 = _mm256_loadu_ps(rows[2] + c0), r3 = _mm256_loadu_ps(rows[3] + c0);
+    const __m256 r4 = _mm256_loadu_ps(rows[4] + c0), r5 = _mm256_loadu_ps(rows[5] + c0);
+    const __m256 r6 = _mm256_loadu_ps(rows[6] + c0), r7 = _mm256_loadu_ps(rows[7] + c0);
+    const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+    const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+    const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+    const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    _mm256_storeu_ps(dst + 0 * ROUND, _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_storeu_ps(dst + 1 * ROUND, _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_storeu_ps(dst + 2 * ROUND, _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_storeu_ps(dst + 3 * ROUND, _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_storeu_ps(dst + 4 * ROUND, _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_storeu_ps(dst + 5 * ROUND, _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_storeu_ps(dst + 6 * ROUND, _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_storeu_ps(dst + 7 * ROUND, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+
+/* A unit's rows: queries (scaled), outputs and softmax state, dims in order. */
+typedef struct {
+    float q[MAX_UNIT_ROWS][MAX_DIM];
+    float acc[MAX_UNIT_ROWS][MAX_DIM];
+    float m[MAX_UNIT_ROWS], l[MAX_UNIT_ROWS];
+    float s[MAX_UNIT_ROWS][ROUND]; /* the round's scores, then weights */
+    float kt[MAX_DIM * ROUND];     /* the round's K, transposed */
+    /* the next round's K and V lines, fetched one per step of the round's products */
+    const char *ahead[2 * ROUND * (MAX_DIM * 4 / 64)];
+    int ahead_at, ahead_n;
+} TiledRows;
+
+static inline __attribute__((always_inline)) void fetch_ahead(TiledRows *st, int *at) {
+    if (*at < st->ahead_n) __builtin_prefetch(st->ahead[(*at)++], 0, 2);
+}
+
+/* scores of rows r0 .. r0 + MR - 1 against key vectors kv0 .. kv0 + KEY_VECS - 1 */
+static inline __attribute__((always_inline)) void score_tile(TiledRows *st, int r0, int kv0,
+                                                             int dim, const int MR) {
+    vf acc[TILE_ROWS][KEY_VECS];
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < KEY_VECS; v++) acc[r][v] = (vf){0};
+    const float *kt = st->kt + kv0 * LANES;
+    int ahead = st->ahead_at;
+    for (int d = 0; d < dim; d++) {
+        fetch_ahead(st, &ahead);
+        vf k[KEY_VECS];
+#pragma GCC unroll 4
+        for (int v = 0; v < KEY_VECS; v++) k[v] = *(const vf_u *)(kt + d * ROUND + v * LANES);
+#pragma GCC unroll 6
+        for (int r = 0; r < MR; r++) {
+            const vf qb = VBCAST(&st->q[r0 + r][d]);
+#pragma GCC unroll 4
+            for (int v = 0; v < KEY_VECS; v++) acc[r][v] = VFMA(qb, k[v], acc[r][v]);
+        }
+    }
+    st->ahead_at = ahead;
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < KEY_VECS; v++)
+            *(vf_u *)(st->s[r0 + r] + (kv0 + v) * LANES) = acc[r][v];
+}
+
+/* outputs of rows r0 .. r0 + MR - 1, dim vectors c0 .. c0 + VAL_VECS - 1: rescaled by each
+ * row's alpha, then the round's n weighted V rows added in order */
+static inline __attribute__((always_inline)) void value_tile(
+    TiledRows *st, int r0, int c0, const float *const *vrows, int n, const float *alpha,
+    const int MR) {
+    vf acc[TILE_ROWS][VAL_VECS];
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < VAL_VECS; v++)
+            acc[r][v] = *(const vf_u *)(st->acc[r0 + r] + (c0 + v) * LANES) * alpha[r];
+    int ahead = st->ahead_at;
+    for (int j = 0; j < n; j++) {
+        fetch_ahead(st, &ahead);
+        vf x[VAL_VECS];
+#pragma GCC unroll 4
+        for (int v = 0; v < VAL_VECS; v++) x[v] = *(const vf_u *)(vrows[j] + (c0 + v) * LANES);
+#pragma GCC unroll 6
+        for (int r = 0; r < MR; r++) {
+            const vf pb = VBCAST(&st->s[r0 + r][j]);
+#pragma GCC unroll 4
+            for (int v = 0; v < VAL_VECS; v++) acc[r][v] = VFMA(pb, x[v], acc[r][v]);
+        }
+    }
+    st->ahead_at = ahead;
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < VAL_VECS; v++)
+            *(vf_u *)(st->acc[r0 + r] + (c0 + v) * LANES) = acc[r][v];
+}
+
+#define TILE_FNS(MR)                                                                           \
+    static void score_##MR(TiledRows *st, int r0, int kv0, int dim) {                         \
+        score_tile(st, r0, kv0, dim, MR);                                                      \
+    }                                                                                          \
+    static void value_##MR(TiledRows *st, int r0, int c0, const float *const *vrows, int n,   \
+                           const float *alpha) {                                               \
+        value_tile(st, r0, c0, vrows, n, alpha, MR);                                           \
+    }
+TILE_FNS(1) TILE_FNS(2) TILE_FNS(3) TILE_FNS(4) TILE_FNS(5) TILE_FNS(6)
+static void (*const score_fns[])(TiledRows *, int, int, int) = {
+    0, score_1, score_2, score_3, score_4, score_5, score_6};
+static void (*const value_fns[])(TiledRows *, int, int, const float *const *, int,
+                                 const float *) = {0,       value_1, value_2, value_3,
+                                                   value_4, value_5, value_6};
+
+/* Keys [from, to) of one context (from a multiple of ROUND) for rows [lo, hi), row g seeing
+ * the keys before lim[g - lo] only: a masked key weighs exactly zero and a round without a
+ * key for a row leaves its state as it was, so a row walked with keys past its context gets
+ * the bits of its own walk (a prompt chunk's tokens walk the chunk's last context together). */
+static void tiled_keys(TiledRows *st, int lo, int hi, const float *k_cache, const float *v_cache,
+                       const int32_t *table, int from, int to, const int *lim, int kv_head,
+                       int num_kv_heads, int dim, int block_size) {
+    const int64_t key_stride = (int64_t)num_kv_heads * dim;
+    const vi lane_ids = LANE_IDS;
+    const vf zero = {0};
+    int64_t at[2][ROUND];
+    const float *krows[ROUND], *vrows[ROUND];
+    float alpha[MAX_UNIT_ROWS];
+    int blk = from / block_size, in_blk = from % block_size;
+    KEY_ROWS(at[0], to - from < ROUND ? to - from : ROUND, dim);
+    for (int r0 = from, cur = 0; r0 < to; r0 += ROUND, cur ^= 1) {
+        const int n = to - r0 < ROUND ? to - r0 : ROUND;
+        const int n2 = r0 + ROUND < to ? (to - r0 - ROUND < ROUND ? to - r0 - ROUND : ROUND) : 0;
+        KEY_ROWS(at[cur ^ 1], n2, dim);
+        /* the round's key vectors, whole tiles of them (keys past n read a row of zeros) */
+        const int kvecs = (n + KEY_VECS * LANES - 1) / (KEY_VECS * LANES) * KEY_VECS;
+        for (int j = 0; j < kvecs * LANES; j++) {
+            krows[j] = j < n ? k_cache + at[cur][j] : zero_row;
+            vrows[j] = j < n ? v_cache + at[cur][j] : zero_row;
+        }
+        /* the next round's K and V rows are fetched while this one computes, a line per
+         * step of the score and value tiles (a context's blocks lie anywhere in the pool,
+         * the hardware prefetcher does not follow them, and a whole round's lines at once
+         * fill the core's miss queue); what the tiles leave goes after them */
+        st->ahead_n = st->ahead_at = 0;
+        for (int j = 0; j < n2; j++)
+            for (int c = 0; c < dim * 4; c += 64) {
+                st->ahead[st->ahead_n++] = (const char *)(k_cache + at[cur ^ 1][j]) + c;
+                st->ahead[st->ahead_n++] = (const char *)(v_cache + at[cur ^ 1][j]) + c;
+            }
+        if (r0 == from) /* the first round's V rows, while its K rows are read */
+            for (int j = 0; j < n; j++)
+                for (int c = 0; c < dim * 4; c += 64)
+                    __builtin_prefetch((const char *)vrows[j] + c, 0, 2);
+        for (int j = 0; j < kvecs * LANES; j += 8)
+            for (int c = 0; c < dim; c += 8) transpose8(krows + j, c, st->kt + c * ROUND + j);
+        for (int kv = 0; kv < kvecs; kv += KEY_VECS)
+            for (int r = lo; r < hi; r += TILE_ROWS)
+                score_fns[hi - r < TILE_ROWS ? hi - r : TILE_ROWS](st, r, kv, dim);
+        /* online softmax, once per round: the round's maximum, its weights, the rescale */
+        for (int g = lo; g < hi; g++) {
+            const int nv = lim[g - lo] - r0 < n ? lim[g - lo] - r0 : n; /* the row's keys */
+            const int groups = nv > 0 ? (nv + LANES - 1) / LANES : 0;
+            if (nv <= 0) {
+                for (int q16 = 0; q16 < (n + LANES - 1) / LANES; q16++)
+                    *(vf_u *)(st->s[g] + q16 * LANES) = zero;
+                alpha[g - lo] = 1.0f;
+                continue;
+            }
+            vf mx = vselect(lane_ids < nv, *(const vf_u *)st->s[g], zero + st->s[g][0]);
+            for (int q16 = 1; q16 < groups; q16++) {
+                const vi valid = lane_ids < nv - q16 * LANES;
+                const vf x = vselect(valid, *(const vf_u *)(st->s[g] + q16 * LANES), mx);
+                mx = vselect(x > mx, x, mx);
+            }
+            const float bm = hmax(mx);
+            const float mn = st->m[g] > bm ? st->m[g] : bm;
+            vf sum = zero;
+            for (int q16 = 0; q16 < groups; q16++) {
+                const vi valid = lane_ids < nv - q16 * LANES;
+                vf *sp = (vf *)(st->s[g] + q16 * LANES);
+                const vf w = (vf)((vi)exp_nonpositive(*(vf_u *)sp - mn) & valid);
+                *(vf_u *)sp = w;
+                sum += w;
+            }
+            for (int q16 = groups; q16 < (n + LANES - 1) / LANES; q16++)
+                *(vf_u *)(st->s[g] + q16 * LANES) = zero;
+            alpha[g - lo] = exp_nonpositive(zero + (st->m[g] - mn))[0];
+            st->l[g] = st->l[g] * alpha[g - lo] + hsum(sum);
+            st->m[g] = mn;
+        }
+        for (int c = 0; c < dim / LANES; c += VAL_VECS)
+            for (int r = lo; r < hi; r += TILE_ROWS)
+                value_fns[hi - r < TILE_ROWS ? hi - r : TILE_ROWS](st, r, c, vrows, n,
+                                                                   alpha + (r - lo));
+        while (st->ahead_at < st->ahead_n) fetch_ahead(st, &st->ahead_at);
+    }
+}
+
+/* attend_unit for float32 q and K/V (dim a multiple of 8 * VAL_VECS ... see the caller) */
+static int tiled_unit(const float *q, const int64_t *q_rows, int members, const int32_t *tables,
+                       int64_t table_stride, const int32_t *ctx, int shared, int kv_head,
+                       int group, int num_kv_heads, int dim, const float *k_cache,
+                       const float *v_cache, int block_size, float scale, float *out) {
+    const int num_heads = group * num_kv_heads;
+    /* too large for a worker thread's stack: one per thread, kept for the next calls */
+    static __thread TiledRows *mine;
+    if (mine == NULL && (mine = aligned_alloc(64, sizeof(TiledRows))) == NULL) return -1;
+    TiledRows *const st = mine;
+    for (int i = 0; i < members; i++)
+        for (int g = 0; g < group; g++) {
+            const int r = i * group + g;
+            const float *src = q + q_rows[i] + (int64_t)(kv_head * group + g) * dim;
+            for (int d = 0; d < dim; d++) {
+                st->q[r][d] = src[d] * scale;
+                st->acc[r][d] = 0.0f;
+            }
+            st->m[r] = -INFINITY;
+            st->l[r] = 0.0f;
+        }
+    int lim[MAX_UNIT_ROWS];
+    for (int r = 0; r < members * group; r++) lim[r] = ctx[r / group];
+    if (shared > 0)
+        tiled_keys(st, 0, members * group, k_cache, v_cache, tables, 0, shared, lim, kv_head,
+                   num_kv_heads, dim, block_size);
+    for (int i = 0; i < members; i++)
+        if (ctx[i] > shared)
+            tiled_keys(st, i * group, (i + 1) * group, k_cache, v_cache,
+                       tables + i * table_stride, shared, ctx[i], lim + i * group, kv_head,
+                       num_kv_heads, dim, block_size);
+    for (int i = 0; i < members; i++)
+        for (int g = 0; g < group; g++) {
+            const int r = i * group + g;
+            float *o = out + ((int64_t)i * num_heads + kv_head * group + g) * dim;
+            const float inv = 1.0f / st->l[r];
+            for (int d = 0; d < dim; d++) o[d] = st->acc[r][d] * inv;
+        }
+    return 0;
+}
+#endif
+
+/* Whether float32 units of these dtypes and head size take the register-tiled path: then a
+ * unit holds up to 48 query rows, and a group's shared keys may also run past every context of
+ * the group, each row masked at its own (a prompt chunk's tokens on one table). */
+int docqa_decode_attention_tiled(int q_dtype, int kv_dtype, int dim) {
+#ifdef TILED_F32
+    return q_dtype == DT_F32 && kv_dtype == DT_F32 && dim % (VAL_VECS * LANES) == 0 &&
+           dim <= MAX_DIM;
+#else
+    (void)q_dtype, (void)kv_dtype, (void)dim;
+    return 0;
+#endif
+}
+
 /* Returns 0, or -1 when a shape is outside the kernel's limits (the caller checks them first).
  *
  * Tokens come in groups: group u holds tokens group_start[u] .. group_start[u + 1] - 1, whose
  * contexts share their first group_shared[u] keys (a multiple of 64, 0 for none; the first
- * token's table is read for them), at most MAX_ROWS / (num_heads / num_kv_heads) tokens.
+ * token's table is read for them), at most MAX_ROWS / (num_heads / num_kv_heads) tokens. On
+ * the tiled path (docqa_decode_attention_tiled) a group holds up to MAX_UNIT_ROWS rows, and
+ * group_shared[u] may instead be at least every context of the group (one table for all).
  *
  * q:            query rows, head after head (dim elements each) from element q_rows[t] for token t
  * block_tables: int32 [num_tokens, table_stride], token t's blocks
@@ -366,20 +657,36 @@ int docqa_decode_attention(const void *q, int q_dtype, const int64_t *q_rows, in
         num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_GROUP)
         return -1;
     const int group = num_heads / num_kv_heads;
+    const int tiled = docqa_decode_attention_tiled(q_dtype, kv_dtype, dim);
     for (int u = 0; u < num_groups; u++) {
         const int members = group_start[u + 1] - group_start[u];
-        if (members < 1 || members * group > MAX_ROWS || group_shared[u] % ROUND ||
+        if (members < 1 || members * group > (tiled ? MAX_UNIT_ROWS : MAX_ROWS) ||
             group_start[u + 1] > num_tokens)
             return -1;
+        if (group_shared[u] % ROUND) { /* past every context of the group, tiled only */
+            if (!tiled) return -1;
+            for (int t = group_start[u]; t < group_start[u + 1]; t++)
+                if (ctx_lens[t] > group_shared[u]) return -1;
+        }
     }
     const int units = num_groups * num_kv_heads;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads > 0 ? num_threads : 1)
+    int failed = 0; /* a thread's scratch could not be allocated */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads > 0 ? num_threads : 1) \
+    reduction(| : failed)
     for (int u = 0; u < units; u++) {
         const int grp = u / num_kv_heads, h = u % num_kv_heads;
         const int t = group_start[grp], members = group_start[grp + 1] - t;
         const int32_t *tables = block_tables + (int64_t)t * table_stride;
         float *o = out + (int64_t)t * num_heads * dim;
         const int shared = group_shared[grp];
+#ifdef TILED_F32
+        if (tiled)
+            failed |= tiled_unit((const float *)q, q_rows + t, members, tables, table_stride,
+                                 ctx_lens + t, shared, h, group, num_kv_heads, dim,
+                                 (const float *)k_cache, (const float *)v_cache, block_size,
+                                 scale, o);
+        else
+#endif
         if (dim == 64 && q_dtype == kv_dtype && q_dtype == DT_BF16)
             unit_d64_bf16(q, q_rows + t, members, tables, table_stride, ctx_lens + t, shared, h,
                           group, num_kv_heads, k_cache, v_cache, block_size, scale, o);
@@ -394,7 +701,7 @@ int docqa_decode_attention(const void *q, int q_dtype, const int64_t *q_rows, in
                      h, group, num_kv_heads, dim / LANES, k_cache, v_cache, kv_dtype, block_size,
                      scale, o);
     }
-    return 0;
+    return failed ? -1 : 0;
 }
 
 /* ---------------------------------------------------------------------------------------------

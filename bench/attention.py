@@ -1,0 +1,186 @@
+"""Float32 CPU attention kernel timings, per layer, for the token groups serving produces.
+
+    .venv/bin/python bench/attention.py [--against REV] [--repeats 8]
+
+Times ``docqa_decode_attention`` (inference/csrc/decode_attention.c) with float32 queries and
+K/V on four shapes: one decode token after a 1,080-token context; 16 decode tokens about 4
+manuals of 1,056 tokens, grouped as the engine groups them (``cpu_kernels.decode_groups``); a
+45-token question after a cached 1,000-token manual and the second 512-token chunk of a
+manual's prompt, cut into units as the engine's step plan cuts a prompt chunk. Each shape runs
+over 30 layers twice: with one pool that stays in the caches (20 MB), and cold, the layers
+taking turns over four 50 MB pools. With ``--against
+REV`` the kernel source at git revision REV is built beside the working tree's, and the two are
+called in turn, repeat by repeat, on the same data (each with the groups it takes: units of up
+to 48 query rows on the register-tiled path, 16 elsewhere); the table gives both, their ratio
+and the largest difference between their outputs. Prints a markdown table; nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from inference import cpu_kernels  # noqa: E402
+
+BS, KVH, HEADS, DIM, LAYERS = 16, 3, 9, 64, 30
+GROUP = HEADS // KVH
+
+
+def load(src: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(cpu_kernels.build(src)))
+    p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    lib.docqa_decode_attention.argtypes = [p, i, p, i, p, p, i, p, p, i, p, i64, p]
+    lib.docqa_decode_attention.argtypes += [i, i, i, i, f, p, i]
+    lib.docqa_decode_attention.restype = i
+    try:
+        lib.docqa_decode_attention_tiled.argtypes = [i, i, i]
+        lib.tiled = bool(lib.docqa_decode_attention_tiled(0, 0, DIM))
+    except AttributeError:  # a revision before the register-tiled path
+        lib.tiled = False
+    return lib
+
+
+def source_at(rev: str, into: Path) -> Path:
+    """decode_attention.c and the headers it includes, as of git revision ``rev``."""
+    listing = subprocess.run(
+        ["git", "ls-tree", "--name-only", rev, "inference/csrc/"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    for path in listing:
+        if path.endswith((".h", "decode_attention.c")):
+            text = subprocess.run(
+                ["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, check=True
+            ).stdout
+            (into / Path(path).name).write_bytes(text)
+    return into / "decode_attention.c"
+
+
+class Shapes:
+    """The pools and the three shapes' tokens (tables, contexts), shared by every kernel."""
+
+    def __init__(self, num_blocks: int, pools: int, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        shape = (num_blocks, BS, KVH, DIM)
+        self.k = [torch.randn(shape, generator=gen) for _ in range(pools)]
+        self.v = [torch.randn(shape, generator=gen) for _ in range(pools)]
+        rng = random.Random(seed)
+        free = list(range(1, num_blocks))
+        rng.shuffle(free)
+        manuals = [[free.pop() for _ in range(66)] for _ in range(4)]
+        own = [[free.pop() for _ in range(3)] for _ in range(16)]
+        decodes = [(manuals[i % 4] + own[i], 1080 + i) for i in range(16)]
+        self.cases = {
+            "1 decode": ("decode", decodes[:1]),
+            "16 decodes, 4 manuals": ("decode", decodes),
+            "45-token question after 1,000 cached": ("prompt", (manuals[0] + own[0], 1000, 45)),
+            "512-token prompt chunk at 512": ("prompt", (manuals[1] + own[1], 512, 512)),
+        }
+
+    def units(self, kind, spec, tiled: bool):
+        """(rows, block tables, contexts, group starts, shared keys) as the engine plans them
+        for a kernel with (``tiled``) or without the register-tiled path."""
+        max_rows = cpu_kernels.TILED_MAX_ROWS if tiled else cpu_kernels.MAX_ROWS
+        if kind == "decode":
+            tables = [t for t, _ in spec]
+            ctx = [c for _, c in spec]
+            order, starts, shared = cpu_kernels.decode_groups(tables, ctx, BS, GROUP, max_rows)
+            tables = [tables[o] for o in order]
+            ctx = [ctx[o] for o in order]
+        else:
+            table, first, n = spec
+            per = max_rows // GROUP
+            ctx, starts, shared = [], [0], []
+            for c in range(0, n, per):
+                m = min(per, n - c)
+                ctx += range(first + c + 1, first + c + m + 1)
+                starts.append(len(ctx))
+                whole = first + c + m  # every key of the unit
+                shared.append(whole if tiled else (first + c + 1) // 64 * 64)
+            tables = [table] * n
+        width = max(len(t) for t in tables)
+        bt = torch.zeros(len(tables), width, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            bt[i, : len(t)] = torch.tensor(t)
+        i32 = torch.int32
+        return (
+            len(tables),
+            bt,
+            torch.tensor(ctx, dtype=i32),
+            torch.tensor(starts, dtype=i32),
+            torch.tensor(shared, dtype=i32),
+        )
+
+
+def run(lib, shapes: Shapes, units, q, out) -> float:
+    t, bt, ctx, starts, shared = units
+    q_start = torch.arange(t, dtype=torch.int64) * q.stride(0)
+    start = time.perf_counter()
+    for layer in range(LAYERS):
+        k = shapes.k[layer % len(shapes.k)]
+        v = shapes.v[layer % len(shapes.v)]
+        rc = lib.docqa_decode_attention(
+            q.data_ptr(), 0, q_start.data_ptr(), t, starts.data_ptr(), shared.data_ptr(),
+            shared.shape[0], k.data_ptr(), v.data_ptr(), 0, bt.data_ptr(), bt.stride(0),
+            ctx.data_ptr(), HEADS, KVH, DIM, BS, 0.125, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise SystemExit("the kernel refused the shape")
+    return (time.perf_counter() - start) / LAYERS
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--against", metavar="REV", help="a git revision's kernel, side by side")
+    ap.add_argument("--repeats", type=int, default=8)
+    args = ap.parse_args()
+    libs = {"this tree": load(cpu_kernels.SOURCE)}
+    if args.against:
+        tmp = Path(tempfile.mkdtemp(prefix="docqa-attention-"))
+        libs = {args.against: load(source_at(args.against, tmp)), **libs}
+    names = list(libs)
+    print(
+        f"{torch.get_num_threads()} threads, float32, {HEADS} query heads, {KVH} KV heads, head "
+        f"size {DIM}, blocks of {BS} tokens; ms per layer, best of {args.repeats}\n"
+    )
+    head = " | ".join(names)
+    ratio = f" | {names[1]} / {names[0]} | max difference" if len(names) == 2 else ""
+    print(f"| shape | pool | {head}{ratio} |")
+    print("|---|---|" + "---|" * (len(names) + (2 if ratio else 0)))
+    for pool, (num_blocks, pools) in {"in cache": (320, 1), "cold": (4096, 4)}.items():
+        shapes = Shapes(num_blocks, pools)
+        for name, (kind, spec) in shapes.cases.items():
+            units = {n: shapes.units(kind, spec, libs[n].tiled) for n in names}
+            best = dict.fromkeys(names, float("inf"))
+            outs = {}
+            for _ in range(args.repeats):
+                for n in names:
+                    t = units[n][0]
+                    gen = torch.Generator().manual_seed(1)
+                    q = torch.randn(t, HEADS, DIM, generator=gen)
+                    out = torch.empty(t, HEADS, DIM)
+                    best[n] = min(best[n], run(libs[n], shapes, units[n], q, out))
+                    outs[n] = out
+            cells = " | ".join(f"{best[n] * 1e3:.2f}" for n in names)
+            if ratio:
+                diff = (outs[names[0]] - outs[names[1]]).abs().max().item()
+                cells += f" | {best[names[1]] / best[names[0]]:.2f}x | {diff:.1e}"
+            print(f"| {name} | {pool} | {cells} |")
+
+
+if __name__ == "__main__":
+    main()
