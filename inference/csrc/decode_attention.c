@@ -362,6 +362,7 @@ static void unit_any(const void *q, int q_dtype, const int64_t *q_rows, int memb
  * ------------------------------------------------------------------------------------------- */
 #if defined(__AVX__) && defined(__FMA__)
 #include <immintrin.h>
+#include <pthread.h>
 #define TILED_F32 1
 #define TILE_ROWS 6
 #define KEY_VECS 2 /* key vectors per score tile */
@@ -578,16 +579,37 @@ static void tiled_keys(TiledRows *st, int lo, int hi, const float *k_cache, cons
     }
 }
 
-/* attend_unit for float32 q and K/V (dim a multiple of 8 * VAL_VECS ... see the caller) */
+/* A thread's TiledRows (too large for a worker thread's stack): allocated on the thread's first
+ * unit, kept for its next calls, freed when the thread exits. */
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+static int scratch_key_ok;
+
+static void make_scratch_key(void) { scratch_key_ok = pthread_key_create(&scratch_key, free) == 0; }
+
+static TiledRows *tiled_scratch(void) {
+    pthread_once(&scratch_once, make_scratch_key);
+    if (!scratch_key_ok) return NULL;
+    TiledRows *st = pthread_getspecific(scratch_key);
+    if (st == NULL) {
+        st = aligned_alloc(64, (sizeof(TiledRows) + 63) / 64 * 64);
+        if (st != NULL && pthread_setspecific(scratch_key, st) != 0) {
+            free(st);
+            st = NULL;
+        }
+    }
+    return st;
+}
+
+/* attend_unit on the register-tiled path (docqa_decode_attention_tiled): 0, or -1 when the
+ * thread's scratch cannot be allocated. */
 static int tiled_unit(const float *q, const int64_t *q_rows, int members, const int32_t *tables,
                        int64_t table_stride, const int32_t *ctx, int shared, int kv_head,
                        int group, int num_kv_heads, int dim, const float *k_cache,
                        const float *v_cache, int block_size, float scale, float *out) {
     const int num_heads = group * num_kv_heads;
-    /* too large for a worker thread's stack: one per thread, kept for the next calls */
-    static __thread TiledRows *mine;
-    if (mine == NULL && (mine = aligned_alloc(64, sizeof(TiledRows))) == NULL) return -1;
-    TiledRows *const st = mine;
+    TiledRows *const st = tiled_scratch();
+    if (st == NULL) return -1;
     for (int i = 0; i < members; i++)
         for (int g = 0; g < group; g++) {
             const int r = i * group + g;
