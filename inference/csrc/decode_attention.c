@@ -350,9 +350,9 @@ static void unit_any(const void *q, int q_dtype, const int64_t *q_rows, int memb
  * float32 K/V on x86 with FMA: the same rounds, register-tiled.
  *
  * Per round and unit, the round's K rows are transposed into KT[dim][ROUND] (8 x 8 blocks), so
- * a tile of up to TILE_ROWS rows and KEY_VECS vectors of keys keeps its scores in registers:
+ * a tile of up to TILE_ROWS rows and TILE_VECS vectors of keys keeps its scores in registers:
  * score(r, j) is one fused multiply-add chain over the dims 0 .. dim - 1 in order, from zero.
- * The weighted values go the other way: a tile of rows by VAL_VECS vectors of dims holds its
+ * The weighted values go the other way: a tile of rows by TILE_VECS vectors of dims holds its
  * outputs in registers while the round's V rows stream past, out(r, :) first rescaled by the
  * round's alpha and then gaining p(r, j) V(j, :) for j = 0, 1, ... in order. Neither order
  * depends on which rows share the tile or the unit, so a row's bits stay a function of its
@@ -365,8 +365,7 @@ static void unit_any(const void *q, int q_dtype, const int64_t *q_rows, int memb
 #include <pthread.h>
 #define TILED_F32 1
 #define TILE_ROWS 6
-#define KEY_VECS 2 /* key vectors per score tile */
-#define VAL_VECS 2 /* dim vectors per output tile */
+#define TILE_VECS 2 /* vectors of keys per score tile, of dims per output tile */
 
 #if LANES == 16
 #define VFMA(a, b, c) ((vf)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(c)))
@@ -418,82 +417,50 @@ static inline __attribute__((always_inline)) void fetch_ahead(TiledRows *st, int
     if (*at < st->ahead_n) __builtin_prefetch(st->ahead[(*at)++], 0, 2);
 }
 
-/* scores of rows r0 .. r0 + MR - 1 against key vectors kv0 .. kv0 + KEY_VECS - 1 */
-static inline __attribute__((always_inline)) void score_tile(TiledRows *st, int r0, int kv0,
-                                                             int dim, const int MR) {
-    vf acc[TILE_ROWS][KEY_VECS];
+/* The tiles of both products: for rows r < MR and TILE_VECS vectors v from column col,
+ *   out[r][v] = start + sum over i = 0, 1, ..., n - 1 of a[r][i] * b_i[col + v]
+ * in that order, one fused multiply-add chain per element, start zero (scale NULL) or
+ * out[r][v] * scale[r]: scores (a the queries, b_i the transposed K's dim i, i over the
+ * dims) and weighted values (a the weights, b_i key i's V row, i over the round's keys). Each
+ * step also fetches one of the next round's lines. */
+static inline __attribute__((always_inline)) void tile_products(
+    TiledRows *st, const float *a, int lda, const float *const *b, int col, int n, float *out,
+    int ldo, const float *scale, const int MR) {
+    vf acc[TILE_ROWS][TILE_VECS];
 #pragma GCC unroll 6
     for (int r = 0; r < MR; r++)
 #pragma GCC unroll 4
-        for (int v = 0; v < KEY_VECS; v++) acc[r][v] = (vf){0};
-    const float *kt = st->kt + kv0 * LANES;
+        for (int v = 0; v < TILE_VECS; v++)
+            acc[r][v] = scale ? *(const vf_u *)(out + r * ldo + v * LANES) * scale[r] : (vf){0};
     int ahead = st->ahead_at;
-    for (int d = 0; d < dim; d++) {
+    for (int i = 0; i < n; i++) {
         fetch_ahead(st, &ahead);
-        vf k[KEY_VECS];
+        vf x[TILE_VECS];
 #pragma GCC unroll 4
-        for (int v = 0; v < KEY_VECS; v++) k[v] = *(const vf_u *)(kt + d * ROUND + v * LANES);
+        for (int v = 0; v < TILE_VECS; v++) x[v] = *(const vf_u *)(b[i] + col + v * LANES);
 #pragma GCC unroll 6
         for (int r = 0; r < MR; r++) {
-            const vf qb = VBCAST(&st->q[r0 + r][d]);
+            const vf ab = VBCAST(a + r * lda + i);
 #pragma GCC unroll 4
-            for (int v = 0; v < KEY_VECS; v++) acc[r][v] = VFMA(qb, k[v], acc[r][v]);
+            for (int v = 0; v < TILE_VECS; v++) acc[r][v] = VFMA(ab, x[v], acc[r][v]);
         }
     }
     st->ahead_at = ahead;
 #pragma GCC unroll 6
     for (int r = 0; r < MR; r++)
 #pragma GCC unroll 4
-        for (int v = 0; v < KEY_VECS; v++)
-            *(vf_u *)(st->s[r0 + r] + (kv0 + v) * LANES) = acc[r][v];
+        for (int v = 0; v < TILE_VECS; v++) *(vf_u *)(out + r * ldo + v * LANES) = acc[r][v];
 }
 
-/* outputs of rows r0 .. r0 + MR - 1, dim vectors c0 .. c0 + VAL_VECS - 1: rescaled by each
- * row's alpha, then the round's n weighted V rows added in order */
-static inline __attribute__((always_inline)) void value_tile(
-    TiledRows *st, int r0, int c0, const float *const *vrows, int n, const float *alpha,
-    const int MR) {
-    vf acc[TILE_ROWS][VAL_VECS];
-#pragma GCC unroll 6
-    for (int r = 0; r < MR; r++)
-#pragma GCC unroll 4
-        for (int v = 0; v < VAL_VECS; v++)
-            acc[r][v] = *(const vf_u *)(st->acc[r0 + r] + (c0 + v) * LANES) * alpha[r];
-    int ahead = st->ahead_at;
-    for (int j = 0; j < n; j++) {
-        fetch_ahead(st, &ahead);
-        vf x[VAL_VECS];
-#pragma GCC unroll 4
-        for (int v = 0; v < VAL_VECS; v++) x[v] = *(const vf_u *)(vrows[j] + (c0 + v) * LANES);
-#pragma GCC unroll 6
-        for (int r = 0; r < MR; r++) {
-            const vf pb = VBCAST(&st->s[r0 + r][j]);
-#pragma GCC unroll 4
-            for (int v = 0; v < VAL_VECS; v++) acc[r][v] = VFMA(pb, x[v], acc[r][v]);
-        }
+#define TILE_FN(MR)                                                                            \
+    static void products_##MR(TiledRows *st, const float *a, int lda, const float *const *b,  \
+                              int col, int n, float *out, int ldo, const float *scale) {       \
+        tile_products(st, a, lda, b, col, n, out, ldo, scale, MR);                             \
     }
-    st->ahead_at = ahead;
-#pragma GCC unroll 6
-    for (int r = 0; r < MR; r++)
-#pragma GCC unroll 4
-        for (int v = 0; v < VAL_VECS; v++)
-            *(vf_u *)(st->acc[r0 + r] + (c0 + v) * LANES) = acc[r][v];
-}
-
-#define TILE_FNS(MR)                                                                           \
-    static void score_##MR(TiledRows *st, int r0, int kv0, int dim) {                         \
-        score_tile(st, r0, kv0, dim, MR);                                                      \
-    }                                                                                          \
-    static void value_##MR(TiledRows *st, int r0, int c0, const float *const *vrows, int n,   \
-                           const float *alpha) {                                               \
-        value_tile(st, r0, c0, vrows, n, alpha, MR);                                           \
-    }
-TILE_FNS(1) TILE_FNS(2) TILE_FNS(3) TILE_FNS(4) TILE_FNS(5) TILE_FNS(6)
-static void (*const score_fns[])(TiledRows *, int, int, int) = {
-    0, score_1, score_2, score_3, score_4, score_5, score_6};
-static void (*const value_fns[])(TiledRows *, int, int, const float *const *, int,
-                                 const float *) = {0,       value_1, value_2, value_3,
-                                                   value_4, value_5, value_6};
+TILE_FN(1) TILE_FN(2) TILE_FN(3) TILE_FN(4) TILE_FN(5) TILE_FN(6)
+static void (*const products[])(TiledRows *, const float *, int, const float *const *, int, int,
+                                float *, int, const float *) = {
+    0, products_1, products_2, products_3, products_4, products_5, products_6};
 
 /* Keys [from, to) of one context (from a multiple of ROUND) for rows [lo, hi), row g seeing
  * the keys before lim[g - lo] only: a masked key weighs exactly zero and a round without a
@@ -508,6 +475,8 @@ static void tiled_keys(TiledRows *st, int lo, int hi, const float *k_cache, cons
     int64_t at[2][ROUND];
     const float *krows[ROUND], *vrows[ROUND];
     float alpha[MAX_UNIT_ROWS];
+    const float *kt_rows[MAX_DIM]; /* the transposed K's rows, dim by dim */
+    for (int d = 0; d < dim; d++) kt_rows[d] = st->kt + d * ROUND;
     int blk = from / block_size, in_blk = from % block_size;
     KEY_ROWS(at[0], to - from < ROUND ? to - from : ROUND, dim);
     for (int r0 = from, cur = 0; r0 < to; r0 += ROUND, cur ^= 1) {
@@ -515,7 +484,7 @@ static void tiled_keys(TiledRows *st, int lo, int hi, const float *k_cache, cons
         const int n2 = r0 + ROUND < to ? (to - r0 - ROUND < ROUND ? to - r0 - ROUND : ROUND) : 0;
         KEY_ROWS(at[cur ^ 1], n2, dim);
         /* the round's key vectors, whole tiles of them (keys past n read a row of zeros) */
-        const int kvecs = (n + KEY_VECS * LANES - 1) / (KEY_VECS * LANES) * KEY_VECS;
+        const int kvecs = (n + TILE_VECS * LANES - 1) / (TILE_VECS * LANES) * TILE_VECS;
         for (int j = 0; j < kvecs * LANES; j++) {
             krows[j] = j < n ? k_cache + at[cur][j] : zero_row;
             vrows[j] = j < n ? v_cache + at[cur][j] : zero_row;
@@ -536,9 +505,11 @@ static void tiled_keys(TiledRows *st, int lo, int hi, const float *k_cache, cons
                     __builtin_prefetch((const char *)vrows[j] + c, 0, 2);
         for (int j = 0; j < kvecs * LANES; j += 8)
             for (int c = 0; c < dim; c += 8) transpose8(krows + j, c, st->kt + c * ROUND + j);
-        for (int kv = 0; kv < kvecs; kv += KEY_VECS)
+        for (int kv = 0; kv < kvecs; kv += TILE_VECS)
             for (int r = lo; r < hi; r += TILE_ROWS)
-                score_fns[hi - r < TILE_ROWS ? hi - r : TILE_ROWS](st, r, kv, dim);
+                products[hi - r < TILE_ROWS ? hi - r : TILE_ROWS](
+                    st, st->q[r], MAX_DIM, kt_rows, kv * LANES, dim, st->s[r] + kv * LANES,
+                    ROUND, NULL);
         /* online softmax, once per round: the round's maximum, its weights, the rescale */
         for (int g = lo; g < hi; g++) {
             const int nv = lim[g - lo] - r0 < n ? lim[g - lo] - r0 : n; /* the row's keys */
@@ -571,10 +542,11 @@ static void tiled_keys(TiledRows *st, int lo, int hi, const float *k_cache, cons
             st->l[g] = st->l[g] * alpha[g - lo] + hsum(sum);
             st->m[g] = mn;
         }
-        for (int c = 0; c < dim / LANES; c += VAL_VECS)
+        for (int c = 0; c < dim / LANES; c += TILE_VECS)
             for (int r = lo; r < hi; r += TILE_ROWS)
-                value_fns[hi - r < TILE_ROWS ? hi - r : TILE_ROWS](st, r, c, vrows, n,
-                                                                   alpha + (r - lo));
+                products[hi - r < TILE_ROWS ? hi - r : TILE_ROWS](
+                    st, st->s[r], ROUND, vrows, c * LANES, n, st->acc[r] + c * LANES, MAX_DIM,
+                    alpha + (r - lo));
         while (st->ahead_at < st->ahead_n) fetch_ahead(st, &st->ahead_at);
     }
 }
@@ -647,7 +619,7 @@ static int tiled_unit(const float *q, const int64_t *q_rows, int members, const 
  * the group, each row masked at its own (a prompt chunk's tokens on one table). */
 int docqa_decode_attention_tiled(int q_dtype, int kv_dtype, int dim) {
 #ifdef TILED_F32
-    return q_dtype == DT_F32 && kv_dtype == DT_F32 && dim % (VAL_VECS * LANES) == 0 &&
+    return q_dtype == DT_F32 && kv_dtype == DT_F32 && dim % (TILE_VECS * LANES) == 0 &&
            dim <= MAX_DIM;
 #else
     (void)q_dtype, (void)kv_dtype, (void)dim;
