@@ -4,9 +4,9 @@
 
 Times ``docqa_decode_attention`` (inference/csrc/decode_attention.c) with float32 queries and
 K/V on four shapes: one decode token after a 1,080-token context; 16 decode tokens about 4
-manuals of 1,056 tokens, grouped as the engine groups them (``cpu_kernels.decode_groups``); a
-45-token question after a cached 1,000-token manual and the second 512-token chunk of a
-manual's prompt, cut into units as the engine's step plan cuts a prompt chunk. Each shape runs
+manuals of 1,056 tokens; a 45-token question after a cached 1,000-token manual; the second
+512-token chunk of a manual's prompt. Each is cut into units by the engine's own step plan
+(``CPUBackend.plan``). Each shape runs
 over 30 layers twice: with one pool that stays in the caches (20 MB), and cold, the layers
 taking turns over four 50 MB pools. With ``--against
 REV`` the kernel source at git revision REV is built beside the working tree's, and the two are
@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from inference import cpu_kernels  # noqa: E402
+from inference.attention import AttentionMetadata, CPUBackend  # noqa: E402
 
 BS, KVH, HEADS, DIM, LAYERS = 16, 3, 9, 64, 30
 GROUP = HEADS // KVH
@@ -91,43 +92,25 @@ class Shapes:
         }
 
     def units(self, kind, spec, tiled: bool):
-        """(rows, block tables, contexts, group starts, shared keys) as the engine plans them
-        for a kernel with (``tiled``) or without the register-tiled path."""
-        max_rows = cpu_kernels.TILED_MAX_ROWS if tiled else cpu_kernels.MAX_ROWS
+        """The step's plan (``CPUBackend.plan``: query rows, block tables, contexts, group
+        starts, shared keys), as the engine builds it for a kernel with (``tiled``) or without
+        the register-tiled path."""
         if kind == "decode":
             tables = [t for t, _ in spec]
-            ctx = [c for _, c in spec]
-            order, starts, shared = cpu_kernels.decode_groups(tables, ctx, BS, GROUP, max_rows)
-            tables = [tables[o] for o in order]
-            ctx = [ctx[o] for o in order]
+            lens = [c for _, c in spec]
+            meta = AttentionMetadata.build(
+                tables, lens, [1] * len(spec), BS, "cpu", [True] * len(spec)
+            )
         else:
             table, first, n = spec
-            per = max_rows // GROUP
-            ctx, starts, shared = [], [0], []
-            for c in range(0, n, per):
-                m = min(per, n - c)
-                ctx += range(first + c + 1, first + c + m + 1)
-                starts.append(len(ctx))
-                whole = first + c + m  # every key of the unit
-                shared.append(whole if tiled else (first + c + 1) // 64 * 64)
-            tables = [table] * n
-        width = max(len(t) for t in tables)
-        bt = torch.zeros(len(tables), width, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            bt[i, : len(t)] = torch.tensor(t)
-        i32 = torch.int32
-        return (
-            len(tables),
-            bt,
-            torch.tensor(ctx, dtype=i32),
-            torch.tensor(starts, dtype=i32),
-            torch.tensor(shared, dtype=i32),
-        )
+            meta = AttentionMetadata.build([table], [first + n], [n], BS, "cpu", [False])
+        return CPUBackend().plan(meta, torch.device("cpu"), BS, GROUP, False, tiled)
 
 
-def run(lib, shapes: Shapes, units, q, out) -> float:
-    t, bt, ctx, starts, shared = units
-    q_start = torch.arange(t, dtype=torch.int64) * q.stride(0)
+def run(lib, shapes: Shapes, plan, q, out) -> float:
+    t = plan.q_rows.shape[0]
+    bt, ctx, starts, shared = plan.tables, plan.ctx, plan.group_start, plan.group_shared
+    q_start = plan.q_rows * q.stride(0)
     start = time.perf_counter()
     for layer in range(LAYERS):
         k = shapes.k[layer % len(shapes.k)]
@@ -167,14 +150,13 @@ def main() -> None:
             units = {n: shapes.units(kind, spec, libs[n].tiled) for n in names}
             best = dict.fromkeys(names, float("inf"))
             outs = {}
+            tokens = units[names[0]].q_rows.shape[0]
+            q = torch.randn(tokens, HEADS, DIM, generator=torch.Generator().manual_seed(1))
             for _ in range(args.repeats):
                 for n in names:
-                    t = units[n][0]
-                    gen = torch.Generator().manual_seed(1)
-                    q = torch.randn(t, HEADS, DIM, generator=gen)
-                    out = torch.empty(t, HEADS, DIM)
+                    out = torch.empty(tokens, HEADS, DIM)
                     best[n] = min(best[n], run(libs[n], shapes, units[n], q, out))
-                    outs[n] = out
+                    outs[n] = torch.empty_like(out).index_copy_(0, units[n].q_rows, out)
             cells = " | ".join(f"{best[n] * 1e3:.2f}" for n in names)
             if ratio:
                 diff = (outs[names[0]] - outs[names[1]]).abs().max().item()

@@ -519,10 +519,8 @@ class CPUBackend(TorchBackend):
         # units that walk a prompt chunk's last context for all its tokens (each masked at
         # its own), or only the whole rounds of its first token's
         whole = bf16 or tiled
-        if bf16:
-            max_rows = self.k.BF16_MAX_ROWS
-        else:
-            max_rows = self.k.TILED_MAX_ROWS if tiled else self.k.MAX_ROWS
+        k = self.k
+        max_rows = k.BF16_MAX_ROWS if bf16 else k.TILED_MAX_ROWS if tiled else k.MAX_ROWS
         per = max(1, max_rows // group)
         q_rows: list[int] = []
         seq_of: list[int] = []

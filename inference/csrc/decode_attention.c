@@ -174,6 +174,34 @@ static inline float hmax(vf v) {
     return v[0];
 }
 
+/* One row's online-softmax step over a round: its first nv scores in s (nv >= 1; vectors of
+ * LANES keys) become the round's weights, the rest of `vecs` vectors zero; its running maximum
+ * m and sum l take the round in. Returns the factor its output is rescaled by. */
+static inline float round_softmax(float *s, int nv, int vecs, float *m, float *l) {
+    const vi lane_ids = LANE_IDS;
+    const vf zero = {0};
+    const int groups = (nv + LANES - 1) / LANES;
+    vf mx = vselect(lane_ids < nv, *(const vf_u *)s, zero + s[0]);
+    for (int q16 = 1; q16 < groups; q16++) {
+        const vf x = vselect(lane_ids < nv - q16 * LANES, *(const vf_u *)(s + q16 * LANES), mx);
+        mx = vselect(x > mx, x, mx);
+    }
+    const float bm = hmax(mx);
+    const float mn = *m > bm ? *m : bm;
+    vf sum = zero;
+    for (int q16 = 0; q16 < groups; q16++) {
+        const vi valid = lane_ids < nv - q16 * LANES;
+        const vf w = (vf)((vi)exp_nonpositive(*(const vf_u *)(s + q16 * LANES) - mn) & valid);
+        *(vf_u *)(s + q16 * LANES) = w;
+        sum += w;
+    }
+    for (int q16 = groups; q16 < vecs; q16++) *(vf_u *)(s + q16 * LANES) = zero;
+    const float alpha = exp_nonpositive(zero + (*m - mn))[0];
+    *l = *l * alpha + hsum(sum);
+    *m = mn;
+    return alpha;
+}
+
 /* A unit's query rows and their running softmax state. */
 typedef struct {
     vf q[MAX_ROWS][MAX_DIM / LANES];
@@ -250,19 +278,7 @@ static inline __attribute__((always_inline)) void run_keys(
         }
         /* online softmax, once per round: the round's maximum, its weights, the rescale */
         for (int g = lo; g < hi; g++) {
-            vf mx = s[g][0];
-            for (int q16 = 1; q16 < groups; q16++) mx = vselect(s[g][q16] > mx, s[g][q16], mx);
-            const float bm = hmax(mx);
-            const float mn = st->m[g] > bm ? st->m[g] : bm;
-            vf sum = zero;
-            for (int q16 = 0; q16 < groups; q16++) {
-                const vi valid = lane_ids < n - q16 * LANES;
-                s[g][q16] = (vf)((vi)exp_nonpositive(s[g][q16] - mn) & valid);
-                sum += s[g][q16];
-            }
-            const float alpha = exp_nonpositive(zero + (st->m[g] - mn))[0];
-            st->l[g] = st->l[g] * alpha + hsum(sum);
-            st->m[g] = mn;
+            const float alpha = round_softmax((float *)s[g], n, groups, &st->m[g], &st->l[g]);
             for (int c = 0; c < chunks; c++) st->acc[g][c] *= alpha;
         }
         for (int j = 0; j < n; j++) {
@@ -408,6 +424,7 @@ typedef struct {
     float m[MAX_UNIT_ROWS], l[MAX_UNIT_ROWS];
     float s[MAX_UNIT_ROWS][ROUND]; /* the round's scores, then weights */
     float kt[MAX_DIM * ROUND];     /* the round's K, transposed */
+    const float *kt_rows[MAX_DIM]; /* its rows, dim by dim */
     /* the next round's K and V lines, fetched one per step of the round's products */
     const char *ahead[2 * ROUND * (MAX_DIM * 4 / 64)];
     int ahead_at, ahead_n;
@@ -470,13 +487,9 @@ static void tiled_keys(TiledRows *st, int lo, int hi, const float *k_cache, cons
                        const int32_t *table, int from, int to, const int *lim, int kv_head,
                        int num_kv_heads, int dim, int block_size) {
     const int64_t key_stride = (int64_t)num_kv_heads * dim;
-    const vi lane_ids = LANE_IDS;
-    const vf zero = {0};
     int64_t at[2][ROUND];
     const float *krows[ROUND], *vrows[ROUND];
     float alpha[MAX_UNIT_ROWS];
-    const float *kt_rows[MAX_DIM]; /* the transposed K's rows, dim by dim */
-    for (int d = 0; d < dim; d++) kt_rows[d] = st->kt + d * ROUND;
     int blk = from / block_size, in_blk = from % block_size;
     KEY_ROWS(at[0], to - from < ROUND ? to - from : ROUND, dim);
     for (int r0 = from, cur = 0; r0 < to; r0 += ROUND, cur ^= 1) {
@@ -508,39 +521,17 @@ static void tiled_keys(TiledRows *st, int lo, int hi, const float *k_cache, cons
         for (int kv = 0; kv < kvecs; kv += TILE_VECS)
             for (int r = lo; r < hi; r += TILE_ROWS)
                 products[hi - r < TILE_ROWS ? hi - r : TILE_ROWS](
-                    st, st->q[r], MAX_DIM, kt_rows, kv * LANES, dim, st->s[r] + kv * LANES,
+                    st, st->q[r], MAX_DIM, st->kt_rows, kv * LANES, dim, st->s[r] + kv * LANES,
                     ROUND, NULL);
         /* online softmax, once per round: the round's maximum, its weights, the rescale */
         for (int g = lo; g < hi; g++) {
             const int nv = lim[g - lo] - r0 < n ? lim[g - lo] - r0 : n; /* the row's keys */
-            const int groups = nv > 0 ? (nv + LANES - 1) / LANES : 0;
-            if (nv <= 0) {
-                for (int q16 = 0; q16 < (n + LANES - 1) / LANES; q16++)
-                    *(vf_u *)(st->s[g] + q16 * LANES) = zero;
+            if (nv > 0) {
+                alpha[g - lo] = round_softmax(st->s[g], nv, kvecs, &st->m[g], &st->l[g]);
+            } else { /* no key for this row: its state stays as it was */
+                memset(st->s[g], 0, sizeof st->s[g]);
                 alpha[g - lo] = 1.0f;
-                continue;
             }
-            vf mx = vselect(lane_ids < nv, *(const vf_u *)st->s[g], zero + st->s[g][0]);
-            for (int q16 = 1; q16 < groups; q16++) {
-                const vi valid = lane_ids < nv - q16 * LANES;
-                const vf x = vselect(valid, *(const vf_u *)(st->s[g] + q16 * LANES), mx);
-                mx = vselect(x > mx, x, mx);
-            }
-            const float bm = hmax(mx);
-            const float mn = st->m[g] > bm ? st->m[g] : bm;
-            vf sum = zero;
-            for (int q16 = 0; q16 < groups; q16++) {
-                const vi valid = lane_ids < nv - q16 * LANES;
-                vf *sp = (vf *)(st->s[g] + q16 * LANES);
-                const vf w = (vf)((vi)exp_nonpositive(*(vf_u *)sp - mn) & valid);
-                *(vf_u *)sp = w;
-                sum += w;
-            }
-            for (int q16 = groups; q16 < (n + LANES - 1) / LANES; q16++)
-                *(vf_u *)(st->s[g] + q16 * LANES) = zero;
-            alpha[g - lo] = exp_nonpositive(zero + (st->m[g] - mn))[0];
-            st->l[g] = st->l[g] * alpha[g - lo] + hsum(sum);
-            st->m[g] = mn;
         }
         for (int c = 0; c < dim / LANES; c += TILE_VECS)
             for (int r = lo; r < hi; r += TILE_ROWS)
@@ -567,8 +558,10 @@ static TiledRows *tiled_scratch(void) {
         st = aligned_alloc(64, (sizeof(TiledRows) + 63) / 64 * 64);
         if (st != NULL && pthread_setspecific(scratch_key, st) != 0) {
             free(st);
-            st = NULL;
+            return NULL;
         }
+        if (st != NULL)
+            for (int d = 0; d < MAX_DIM; d++) st->kt_rows[d] = st->kt + d * ROUND;
     }
     return st;
 }
