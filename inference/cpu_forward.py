@@ -194,12 +194,13 @@ class CPUForward:
         if not amx:
             first = model.layers[0]  # every layer has the same shapes
             for lin in (first.qkv, first.o_proj, first.gate_up, first.down):
-                packed = lin.compiled()[1]
-                if packed.shape[1] > cpu_kernels.LINEAR_K_BLOCK:
-                    self.part_floats = max(
-                        self.part_floats,
-                        cpu_kernels.LINEAR_ROW_BLOCK * packed.shape[0] * packed.shape[2],
-                    )
+                terms = lin.in_features // 2 if self.bf16 else lin.in_features
+                self.part_floats = max(
+                    self.part_floats,
+                    cpu_kernels.linear_part_floats(
+                        cpu_kernels.LINEAR_ROW_BLOCK, lin.out_features, terms
+                    ),
+                )
         self.widths = {  # the step's buffers: [rows, width] each
             "x": cfg.hidden_size,
             "qkv": (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim,

@@ -143,6 +143,12 @@ def linear_library() -> ctypes.CDLL:
     for name in ("docqa_linear_f32_panel", "docqa_linear_bf16_panel"):
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = i
+    lib.docqa_pack_f32_bytes.argtypes = [i, i, i]
+    lib.docqa_pack_f32_bytes.restype = i64
+    lib.docqa_pack_f32.argtypes = [p, i, i, i, p, i]
+    lib.docqa_pack_f32.restype = i
+    lib.docqa_pack_f32_format.argtypes = [p]
+    lib.docqa_pack_f32_format.restype = i
     return lib
 
 
@@ -171,11 +177,46 @@ def linear_bf16_panel() -> int:
 
 
 LINEAR_ROW_BLOCK, LINEAR_K_BLOCK = 96, 384  # linear.c's ROW_BLOCK and K_BLOCK
+LINEAR_PANEL = 16  # linear.c's PANEL (output features per panel, float32 and bf16)
 
 
-def pack_linear_f32(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] float32 -> panels [ceil(out / P), in, P] (linear.c), features past out zero."""
-    return _pack_panels(weight, linear_f32_panel())
+# linear.c's float32 weight formats (docqa_pack_f32): plain panels, and the llama.cpp block
+# forms a weight may be exactly made of (0.75 and 1.125 bytes a weight instead of 4)
+WEIGHT_FORMATS = {0: "float32", 1: "q4_1", 2: "q8_0"}
+
+
+def quantized_weights_enabled() -> bool:
+    """Whether float32 weights that are exactly Q4_1 or Q8_0 blocks are kept in that form
+    (``DOCQA_QUANTIZED_WEIGHTS=0`` keeps plain float32 panels; the results are the same)."""
+    return os.environ.get("DOCQA_QUANTIZED_WEIGHTS", "1") != "0"
+
+
+def pack_linear_f32(weight: torch.Tensor, quantized: bool | None = None) -> torch.Tensor:
+    """[out, in] float32 -> linear.c's packed weight (a 64-byte header, then panels of P
+    features; features past out zero), as uint8. With ``quantized`` (default:
+    ``quantized_weights_enabled()``) a weight whose every block of 32 inputs of a feature is
+    exactly a Q4_1 block, else exactly a Q8_0 block, is kept in that form: linear.c expands
+    it to the same float32 values, so products are bitwise those of the plain panels."""
+    lib = linear_library()
+    w = weight.detach().contiguous()
+    assert w.dtype == torch.float32 and w.dim() == 2
+    n, k = w.shape
+    if quantized is None:
+        quantized = quantized_weights_enabled()
+    for fmt in (1, 2, 0) if quantized else (0,):
+        size = lib.docqa_pack_f32_bytes(n, k, fmt)
+        if size < 0:
+            continue
+        out = torch.empty(size, dtype=torch.uint8)
+        threads = torch.get_num_threads()
+        if lib.docqa_pack_f32(w.data_ptr(), n, k, fmt, out.data_ptr(), threads) == 0:
+            return out
+    raise ValueError(f"linear kernel: cannot pack a weight of shape {tuple(w.shape)}")
+
+
+def weight_format(packed: torch.Tensor) -> str:
+    """The format of a pack_linear_f32 weight: "float32", "q4_1" or "q8_0"."""
+    return WEIGHT_FORMATS[linear_library().docqa_pack_f32_format(packed.data_ptr())]
 
 
 def pack_linear_bf16(weight: torch.Tensor) -> torch.Tensor:
@@ -202,8 +243,8 @@ def linear_f32(
 ) -> torch.Tensor:
     """x @ weight.T (+ bias), each output one fused multiply-add chain over the inputs in
     order: a row's bits never depend on the other rows of the call (``docqa_linear_f32``)."""
-    assert x.dtype == torch.float32
-    return _panel_linear("docqa_linear_f32", x, packed, packed.shape[1], out_features, bias)
+    assert x.dtype == torch.float32 and packed.dtype == torch.uint8
+    return _panel_linear("docqa_linear_f32", x, packed, x.shape[1], out_features, bias)
 
 
 def linear_bf16(
@@ -219,6 +260,14 @@ def linear_bf16(
     return _panel_linear("docqa_linear_bf16", x, packed, 2 * packed.shape[1], out_features, bias)
 
 
+def linear_part_floats(rows: int, out_features: int, terms: int) -> int:
+    """Floats of linear.c's partial sums for ``rows`` rows (0 when it needs none): ``terms`` is
+    the inputs a feature sums (their pairs in bf16)."""
+    if terms <= LINEAR_K_BLOCK or rows == 0:
+        return 0
+    return min(rows, LINEAR_ROW_BLOCK) * -(-out_features // LINEAR_PANEL) * LINEAR_PANEL
+
+
 def _panel_linear(name, x, packed, k, out_features, bias) -> torch.Tensor:
     assert x.dim() == 2 and x.shape[1] == k and packed.is_contiguous()
     m = x.shape[0]
@@ -226,10 +275,9 @@ def _panel_linear(name, x, packed, k, out_features, bias) -> torch.Tensor:
         x = x.contiguous()
     y = x.new_empty(m, out_features)
     part = None
-    if packed.shape[1] > LINEAR_K_BLOCK and m:
-        part = torch.empty(
-            min(m, LINEAR_ROW_BLOCK) * packed.shape[0] * packed.shape[2], dtype=torch.float32
-        )
+    floats = linear_part_floats(m, out_features, k // 2 if name == "docqa_linear_bf16" else k)
+    if floats:
+        part = torch.empty(floats, dtype=torch.float32)
     rc = getattr(linear_library(), name)(
         x.data_ptr(),
         m,

@@ -131,7 +131,7 @@ class Linear:
     ):
         self.weight = weight  # [out, in]
         self.bias = bias
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         self._packed = None
         self._panels = None  # the float32 kernel's packed weight (cpu_kernels.linear_f32)
         self._tiles = None  # the AMX kernel's packed weight (cpu_kernels.linear_bf16_amx)
@@ -181,6 +181,17 @@ class Linear:
         if self._tiles is not None:
             return "amx", self._tiles, self._bias_f32
         return None
+
+    def storage(self) -> tuple[str, int]:
+        """How the weight is held for the products, and its bytes: ``q4_1`` / ``q8_0`` (linear.c's
+        block forms of a GGUF weight), else the dtype's name (``float32``, ``bfloat16``)."""
+        if self._panels is not None:
+            return cpu_kernels.weight_format(self._panels), self._panels.numel()
+        held = next(
+            t for t in (self._tiles, self._bf16_panels, self._packed, self.weight) if t is not None
+        )
+        kind = "bfloat16" if self.weight is None else str(self.weight.dtype).removeprefix("torch.")
+        return kind, held.numel() * held.element_size()
 
     def held_tensors(self) -> list[torch.Tensor]:
         """The tensors this layer keeps (for the model's weight bytes)."""

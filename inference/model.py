@@ -226,6 +226,17 @@ class LlamaModel:
                 )
             )
 
+    def linear_storage(self) -> dict[str, int]:
+        """Bytes of the linear layers' weights by how they are held (``Linear.storage``)."""
+        out: dict[str, int] = {}
+        lins = [self.lm_head]
+        for lw in self.layers:
+            lins += [lw.qkv, lw.o_proj, lw.gate_up, lw.down]
+        for lin in lins:
+            kind, size = lin.storage()
+            out[kind] = out.get(kind, 0) + size
+        return out
+
     def weight_bytes(self) -> int:
         seen: set[int] = set()
         total = 0

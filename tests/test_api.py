@@ -253,6 +253,13 @@ def test_engine_info_metrics_and_schema(api):
     assert e["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * {"bfloat16": 2, "float32": 4}[e["kv_dtype"]]
     assert e["kv_capacity_tokens"] == e["kv_capacity_blocks"] * e["block_size"]
     assert e["attention_backend"] == "cpu"  # the compiled CPU kernels (gcc is here)
+    # 134.5 M linear weights: in float32 the GGUF's Q4_1 layers and Q8_0 output stay in their
+    # blocks (0.75 and 1.125 bytes a weight); bf16 kernels hold 2 bytes a weight
+    held = e["linear_weight_bytes"]
+    if e["dtype"] == "float32":
+        assert set(held) == {"q4_1", "q8_0"} and sum(held.values()) < 120e6, held
+    else:
+        assert set(held) == {"bfloat16"} and 265e6 < held["bfloat16"] < 275e6, held
     assert e["blocks_in_use"] + e["blocks_free"] == e["kv_capacity_blocks"]
     assert abs(e["max_concurrency"] - e["kv_capacity_tokens"] / e["max_model_len"]) < 0.01
     names = metrics(api)

@@ -203,6 +203,45 @@ def test_linear_f32_kernel_against_float64(out_f, in_f, bias):
     assert lin(x[:0]).shape == (0, out_f)
 
 
+def _ggml_weight(kind: str, out_f: int, in_f: int, seed: int) -> torch.Tensor:
+    """A float32 weight as llama.cpp's loader leaves it: random values quantized to ``kind``
+    (Q4_1 or Q8_0) by the gguf package, then expanded to float32 the way the import does."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    kind_id = getattr(GGMLQuantizationType, kind)
+    w = np.random.default_rng(seed).standard_normal((out_f, in_f)).astype(np.float32) * 0.05
+    return torch.from_numpy(quants.dequantize(quants.quantize(w, kind_id), kind_id).copy())
+
+
+@pytest.mark.skipif(not cpu_kernels.linear_f32_panel(), reason="linear.c is not built here")
+@pytest.mark.parametrize(
+    "kind,out_f,in_f", [("Q4_1", 37, 800), ("Q4_1", 960, 576), ("Q8_0", 50, 1536), ("Q8_0", 16, 32)]
+)
+def test_quantized_weights_give_the_float32_panels_bits(kind, out_f, in_f):
+    """A weight made of Q4_1 or Q8_0 blocks is packed in that form (a quarter or less of the
+    bytes) and gives, at every call size, strided rows and a bias included, the bits of the
+    same weight in plain float32 panels; one value off its block's grid keeps it in float32."""
+    w = _ggml_weight(kind, out_f, in_f, seed=5)
+    bias = torch.randn(out_f, generator=torch.Generator().manual_seed(6))
+    packed = cpu_kernels.pack_linear_f32(w, quantized=True)
+    plain = cpu_kernels.pack_linear_f32(w, quantized=False)
+    assert cpu_kernels.weight_format(packed) == kind.lower()
+    assert cpu_kernels.weight_format(plain) == "float32"
+    assert packed.numel() * (3 if kind == "Q4_1" else 2) < plain.numel()
+    wide = torch.randn(200, in_f + 5, generator=torch.Generator().manual_seed(7))
+    x = wide[:, 2 : 2 + in_f]  # rows strided
+    for n in [*range(1, 18), 28, 95, 96, 97, 200]:
+        for b in (None, bias):
+            got = cpu_kernels.linear_f32(x[:n], packed, out_f, b)
+            assert torch.equal(got, cpu_kernels.linear_f32(x[:n], plain, out_f, b)), (n, b)
+    off = w.clone()
+    off[out_f // 2, in_f // 3] = torch.nextafter(off[out_f // 2, in_f // 3], torch.tensor(1.0))
+    assert cpu_kernels.weight_format(cpu_kernels.pack_linear_f32(off, quantized=True)) == "float32"
+    with pytest.raises(ValueError, match="bad sizes"):
+        cpu_kernels.linear_f32(x[:3, : in_f - 1], packed, out_f)
+
+
 @pytest.mark.parametrize("kernel", ["amx", "avx512"])
 @pytest.mark.parametrize(
     "out_f,in_f,bias", [(50, 64, True), (1000, 576, False), (33, 1536, True), (16, 32, False)]

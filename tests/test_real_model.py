@@ -70,6 +70,53 @@ def test_logits_match_transformers_gguf_loader(default_model_dir, tokenizer):
     assert rel < 1e-4
 
 
+def test_float32_model_keeps_its_quantized_weights_with_the_same_logits(
+    default_model_dir, tokenizer, monkeypatch
+):
+    """In float32 the default model's linear layers stay in their GGUF block forms (Q4_1, the
+    tied output Q8_0): about a fifth of the float32 bytes, and logits bitwise equal to the
+    same model on plain float32 panels, for a prompt and for the decode step after it."""
+    from inference import cpu_kernels
+    from inference.layers import Linear
+
+    if not cpu_kernels.linear_f32_panel():
+        pytest.skip("linear.c is not built here")
+    ids = tokenizer.encode(MANUAL[:400] + " Question: what is mode B?")
+    n = len(ids)
+    nblk = -(-(n + 1) // 16)
+    logits, sizes = {}, {}
+    for quantized in ("1", "0"):
+        monkeypatch.setenv("DOCQA_QUANTIZED_WEIGHTS", quantized)
+        model = LlamaModel.from_pretrained(default_model_dir, torch.float32)
+        cfg = model.cfg
+        lins = [model.lm_head] + [
+            getattr(layer, name)
+            for layer in model.layers
+            for name in ("qkv", "o_proj", "gate_up", "down")
+        ]
+        assert all(isinstance(lin, Linear) for lin in lins)
+        formats = {cpu_kernels.weight_format(lin._panels) for lin in lins}
+        assert formats == ({"q4_1", "q8_0"} if quantized == "1" else {"float32"}), formats
+        sizes[quantized] = sum(lin._panels.numel() for lin in lins)
+        kv = [
+            (
+                torch.zeros(nblk, 16, cfg.num_kv_heads, cfg.head_dim),
+                torch.zeros(nblk, 16, cfg.num_kv_heads, cfg.head_dim),
+            )
+            for _ in range(cfg.num_layers)
+        ]
+        table = [list(range(nblk))[::-1]]
+        meta = AttentionMetadata.build(table, [n], [n], 16)
+        first = model.forward(torch.tensor(ids), torch.arange(n), meta, kv, torch.tensor([n - 1]))
+        nxt = int(first[0].argmax())
+        meta = AttentionMetadata.build(table, [n + 1], [1], 16, is_decode=[True])
+        second = model.forward(torch.tensor([nxt]), torch.tensor([n]), meta, kv, torch.tensor([0]))
+        logits[quantized] = (first, second)
+    assert sizes["1"] * 4 < sizes["0"]
+    assert torch.equal(logits["1"][0], logits["0"][0])
+    assert torch.equal(logits["1"][1], logits["0"][1])
+
+
 def test_bf16_cold_and_warm_are_bitwise_equal(bf16_llm):
     builder = PromptBuilder(bf16_llm.tokenizer)
     prefix, _ = builder.prefix_ids(MANUAL)

@@ -95,6 +95,7 @@ async def engine_info(state: State) -> EngineInfo:
         kv_dtype=dtype_name(e.kv_dtype),
         device=str(e.device),
         attention_backend=e.attention_backend,
+        linear_weight_bytes=e.model.linear_storage(),
         block_size=spec.block_size,
         max_model_len=e.max_model_len,
         kv_bytes_per_token=spec.bytes_per_token,

@@ -133,6 +133,14 @@ class EngineInfo(Struct):
     attention_backend: Annotated[
         str, Meta(description="torch, cpu (compiled CPU attention kernels) or triton")
     ]
+    linear_weight_bytes: Annotated[
+        dict[str, int],
+        Meta(
+            description="bytes of the linear layers' weights by how they are held: q4_1 and "
+            "q8_0 (a GGUF model's blocks kept as such in float32, expanded exactly as each "
+            "product runs), float32 or bfloat16"
+        ),
+    ]
     block_size: int
     max_model_len: int
     kv_bytes_per_token: int

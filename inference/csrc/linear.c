@@ -19,8 +19,21 @@
  *
  * Threads split the panels; rows are taken in blocks of ROW_BLOCK so a block of x stays in the
  * core's cache while the panels stream past it.
+ *
+ * A float32 weight is packed behind a 64-byte header (PackHeader) naming its format. Besides
+ * plain panels (FMT_F32), a weight whose every block of 32 inputs of a feature is exactly a
+ * llama.cpp Q4_1 block (d * q + m, q in 0..15, d and m half floats) or Q8_0 block (d * q, q in
+ * -127..127) is kept in that form: 0.75 or 1.125 bytes a weight instead of 4. docqa_pack_f32
+ * checks every value (it refuses a weight that is not exactly of the format), and the kernel
+ * expands each panel's chunk of terms into a float32 buffer before the same register tiles run
+ * on it. d * q is exact in float32 (at most 11 + 8 significant bits), so the expanded values are
+ * the weight's own float32 values bit for bit, and the products are the plain panels' products:
+ * the quantized forms change how many bytes a step reads, never a result.
  */
+#include <math.h>
+#include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__FMA__) && (defined(__AVX2__) || defined(__AVX512F__))
@@ -73,9 +86,9 @@ typedef __m256 vec;
  * to y (outputs of features >= n dropped) plus the bias, rounded to bf16 when BF. k counts
  * terms (pairs when BF), ldx bytes, ldy outputs. */
 static inline __attribute__((always_inline)) void tile(
-    const void *xv, int64_t ldx, const float *packed, int k, int k0, int k1, const float *bias,
-    void *yv, int64_t ldy, float *part, int64_t ldp, int n0, int n, const int MR, const int NP,
-    const int BF) {
+    const void *xv, int64_t ldx, const float *packed, int64_t pstride, int k, int k0, int k1,
+    const float *bias, void *yv, int64_t ldy, float *part, int64_t ldp, int n0, int n,
+    const int MR, const int NP, const int BF) {
     const char *x = (const char *)xv;
     vec acc[MAX_MR][4 * PV];
 #pragma GCC unroll 12
@@ -83,7 +96,6 @@ static inline __attribute__((always_inline)) void tile(
 #pragma GCC unroll 8
         for (int v = 0; v < NP * PV; v++)
             acc[r][v] = k0 == 0 ? VZERO() : VLOAD(part + r * ldp + n0 + v * VLANES);
-    const int64_t pstride = (int64_t)k * PANEL;
     for (int kk = k0; kk < k1; kk++) {
         vec w[4 * PV];
 #pragma GCC unroll 4
@@ -135,21 +147,23 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
-typedef void (*tile_fn)(const void *, int64_t, const float *, int, int, int, const float *,
-                        void *, int64_t, float *, int64_t, int, int);
+typedef void (*tile_fn)(const void *, int64_t, const float *, int64_t, int, int, int,
+                        const float *, void *, int64_t, float *, int64_t, int, int);
 
 #define TILE(MR, NP)                                                                          \
-    static void tile_##MR##_##NP(const void *x, int64_t ldx, const float *packed, int k,     \
-                                 int k0, int k1, const float *bias, void *y, int64_t ldy,    \
-                                 float *part, int64_t ldp, int n0, int n) {                  \
-        tile(x, ldx, packed, k, k0, k1, bias, y, ldy, part, ldp, n0, n, MR, NP, 0);          \
+    static void tile_##MR##_##NP(const void *x, int64_t ldx, const float *packed,            \
+                                 int64_t pstride, int k, int k0, int k1, const float *bias,  \
+                                 void *y, int64_t ldy, float *part, int64_t ldp, int n0,     \
+                                 int n) {                                                    \
+        tile(x, ldx, packed, pstride, k, k0, k1, bias, y, ldy, part, ldp, n0, n, MR, NP, 0); \
     }
 #ifdef HAVE_BF16
 #define BF_TILE(MR, NP)                                                                       \
-    static void bf_tile_##MR##_##NP(const void *x, int64_t ldx, const float *packed, int k,  \
-                                    int k0, int k1, const float *bias, void *y, int64_t ldy, \
-                                    float *part, int64_t ldp, int n0, int n) {               \
-        tile(x, ldx, packed, k, k0, k1, bias, y, ldy, part, ldp, n0, n, MR, NP, 1);          \
+    static void bf_tile_##MR##_##NP(const void *x, int64_t ldx, const float *packed,         \
+                                    int64_t pstride, int k, int k0, int k1,                  \
+                                    const float *bias, void *y, int64_t ldy, float *part,    \
+                                    int64_t ldp, int n0, int n) {                            \
+        tile(x, ldx, packed, pstride, k, k0, k1, bias, y, ldy, part, ldp, n0, n, MR, NP, 1); \
     }
 #endif
 TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(5, 1) TILE(6, 1)
@@ -208,12 +222,350 @@ static void pick(int rows, int bf, int with_full, int *np, tile_fn *wide, tile_f
     *np = rows < n_wide ? np_f32[rows] : 1;
 }
 
+/* ------------------------------------------------------------------------------------------
+ * Packed float32 weights: a header, then plain panels or quantized blocks.
+ *
+ * FMT_Q4_1 and FMT_Q8_0 keep panels of 16 features too; panel p holds, for each block b of 32
+ * consecutive inputs in order, at ((p * (k / 32) + b) * block bytes):
+ *   Q4_1: float d[16], float m[16], then 32 inputs, 8 bytes each: byte j of input i is
+ *         q(j) | q(j + 8) << 4, q(f) of feature f, the weight d[f] * q + m[f] (128 + 256 bytes)
+ *   Q8_0: float d[16], then 32 inputs, 16 int8 each: byte j of input i is q(i) of feature j,
+ *         the weight d[j] * q (64 + 512 bytes)
+ * Features past n are blocks of zeros (weight 0, as in the plain panels).
+ * ---------------------------------------------------------------------------------------- */
+#define PACK_MAGIC 0x31574451 /* "QDW1" */
+enum { FMT_F32 = 0, FMT_Q4_1 = 1, FMT_Q8_0 = 2 };
+#define QBLOCK 32 /* inputs per quantized block */
+typedef struct {
+    int32_t magic, format, n, k;
+    int32_t reserved[12];
+} PackHeader; /* 64 bytes: the data after it stays 64-byte aligned */
+
+static int64_t block_bytes(int format) {
+    return format == FMT_Q4_1 ? 2 * PANEL * 4 + QBLOCK / 2 * PANEL
+                              : PANEL * 4 + QBLOCK * PANEL; /* FMT_Q8_0 */
+}
+
+/* Bytes of a weight [n, k] packed as `format`; -1 where that format cannot hold the shape. */
+int64_t docqa_pack_f32_bytes(int n, int k, int format) {
+    if (n <= 0 || k <= 0) return -1;
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+    if (format == FMT_F32) return (int64_t)sizeof(PackHeader) + panels * k * PANEL * 4;
+    if ((format != FMT_Q4_1 && format != FMT_Q8_0) || k % QBLOCK) return -1;
+#ifndef __F16C__
+    return -1; /* the checks round to half floats */
+#endif
+    return (int64_t)sizeof(PackHeader) + panels * (k / QBLOCK) * block_bytes(format);
+}
+
+#ifdef __F16C__
+static inline float half_round(float x) { return _cvtsh_ss(_cvtss_sh(x, 0)); }
+/* the half float `steps` representable values above (below, when negative) positive x */
+static inline float half_step(float x, int steps) {
+    return _cvtsh_ss((unsigned short)(_cvtss_sh(x, 0) + steps));
+}
+
+/* 32 values as d * q + m exactly (q in 0..15, d and m half floats): 1 with d, m and q set */
+static int as_q4_1(const float *v, float *d_out, float *m_out, uint8_t *q) {
+    float lo = v[0], hi = v[0];
+    for (int i = 0; i < QBLOCK; i++) {
+        if (!(v[i] == v[i]) || v[i] - v[i] != 0.0f) return 0; /* NaN or infinite */
+        lo = v[i] < lo ? v[i] : lo;
+        hi = v[i] > hi ? v[i] : hi;
+    }
+    if (half_round(lo) != lo) return 0; /* the block's lowest value is m (its q is 0) */
+    *m_out = lo;
+    if (hi == lo) {
+        *d_out = 0.0f;
+        memset(q, 0, QBLOCK);
+        return 1;
+    }
+    const float guess = half_round((hi - lo) / 15.0f);
+    for (int c = 0; c < 5; c++) { /* the guess, then its neighbours */
+        const float d = half_step(guess, (c + 1) / 2 * (c % 2 ? 1 : -1));
+        if (!(d > 0.0f) || d - d != 0.0f) continue;
+        int ok = 1;
+        for (int i = 0; i < QBLOCK && ok; i++) {
+            const float t = rintf((v[i] - lo) / d);
+            ok = t >= 0.0f && t <= 15.0f && d * t + lo == v[i]; /* d * t exact */
+            q[i] = (uint8_t)t;
+        }
+        if (ok) {
+            *d_out = d;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* 32 values as d * q exactly (q in -127..127, d a half float): 1 with d and q set */
+static int as_q8_0(const float *v, float *d_out, int8_t *q) {
+    float amax = 0.0f;
+    for (int i = 0; i < QBLOCK; i++) {
+        if (!(v[i] == v[i]) || v[i] - v[i] != 0.0f) return 0;
+        amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+    }
+    if (amax == 0.0f) {
+        *d_out = 0.0f;
+        memset(q, 0, QBLOCK);
+        return 1;
+    }
+    const float guess = half_round(amax / 127.0f);
+    for (int c = 0; c < 5; c++) {
+        const float d = half_step(guess, (c + 1) / 2 * (c % 2 ? 1 : -1));
+        if (!(d > 0.0f) || d - d != 0.0f) continue;
+        int ok = 1;
+        for (int i = 0; i < QBLOCK && ok; i++) {
+            const float t = rintf(v[i] / d);
+            ok = t >= -127.0f && t <= 127.0f && d * t == v[i];
+            q[i] = (int8_t)t;
+        }
+        if (ok) {
+            *d_out = d;
+            return 1;
+        }
+    }
+    return 0;
+}
+#endif
+
+/* Packs w [n, k] (row-major float32) into `out` (docqa_pack_f32_bytes(n, k, format) bytes,
+ * 64-byte aligned). Returns 0; -1 for a shape the format cannot hold, or a weight that is not
+ * exactly of the format (then `out` holds nothing useful). */
+int docqa_pack_f32(const float *w, int n, int k, int format, void *out, int num_threads) {
+    if (docqa_pack_f32_bytes(n, k, format) < 0) return -1;
+    PackHeader *h = (PackHeader *)out;
+    memset(h, 0, sizeof *h);
+    h->magic = PACK_MAGIC, h->format = format, h->n = n, h->k = k;
+    char *data = (char *)out + sizeof *h;
+    const int panels = (n + PANEL - 1) / PANEL;
+    if (format == FMT_F32) {
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1)
+        for (int p = 0; p < panels; p++) {
+            float *dst = (float *)data + (int64_t)p * k * PANEL;
+            for (int kk = 0; kk < k; kk++)
+                for (int j = 0; j < PANEL; j++) {
+                    const int f = p * PANEL + j;
+                    dst[(int64_t)kk * PANEL + j] = f < n ? w[(int64_t)f * k + kk] : 0.0f;
+                }
+        }
+        return 0;
+    }
+#ifdef __F16C__
+    const int blocks = k / QBLOCK;
+    const int64_t bb = block_bytes(format);
+    int bad = 0;
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) \
+    reduction(| : bad)
+    for (int p = 0; p < panels; p++) {
+        if (bad) continue;
+        for (int b = 0; b < blocks && !bad; b++) {
+            char *blk = data + ((int64_t)p * blocks + b) * bb;
+            memset(blk, 0, bb);
+            float *d = (float *)blk, *m = d + PANEL;
+            for (int j = 0; j < PANEL && !bad; j++) {
+                const int f = p * PANEL + j;
+                if (f >= n) break;
+                const float *v = w + (int64_t)f * k + b * QBLOCK;
+                if (format == FMT_Q4_1) {
+                    uint8_t q[QBLOCK];
+                    if (!as_q4_1(v, &d[j], &m[j], q)) {
+                        bad = 1;
+                        break;
+                    }
+                    uint8_t *qs = (uint8_t *)(m + PANEL);
+                    for (int i = 0; i < QBLOCK; i++)
+                        qs[i * (PANEL / 2) + j % 8] |= (uint8_t)(q[i] << (j < 8 ? 0 : 4));
+                } else {
+                    int8_t q[QBLOCK];
+                    if (!as_q8_0(v, &d[j], q)) {
+                        bad = 1;
+                        break;
+                    }
+                    int8_t *qs = (int8_t *)(d + PANEL);
+                    for (int i = 0; i < QBLOCK; i++) qs[i * PANEL + j] = q[i];
+                }
+            }
+        }
+    }
+    return bad ? -1 : 0;
+#else
+    return -1;
+#endif
+}
+
+/* The packed weight's format (FMT_*), or -1 when `packed` is not a packed float32 weight. */
+int docqa_pack_f32_format(const void *packed) {
+    const PackHeader *h = (const PackHeader *)packed;
+    return h->magic == PACK_MAGIC ? h->format : -1;
+}
+
+/* A Q4_1 input's 16 features: its 8 bytes, each widened to a 32-bit lane (features j and
+ * j + 8 in lane j), then features 0-7 and 8-15 as d * q + m (d * q exact: one rounding). */
+#define Q4_LOAD(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define Q4_LOW(q, d, m)                                                                          \
+    _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(15))), m)
+#define Q4_HIGH(q, d, m) _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), m)
+/* A Q8_0 input's features 0-7 and 8-15 as d * q (exact) */
+#define Q8_HALF(p, d) _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(                  \
+                                          _mm_loadl_epi64((const __m128i *)(p)))))
+
+/* Inputs [i0, i0 + 32 * nb) of one panel's blocks `blk` as float32 rows of 16 features: dst
+ * [input - i0][feature]. Each value is the block's d * q (+ m), exact as packed. */
+static void expand(const char *blk, int format, int nb, float *dst) {
+    const int64_t bb = block_bytes(format);
+    for (int b = 0; b < nb; b++, blk += bb, dst += QBLOCK * PANEL) {
+        const float *d = (const float *)blk;
+        const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
+        if (format == FMT_Q4_1) {
+            const __m256 m0 = _mm256_loadu_ps(d + 16), m1 = _mm256_loadu_ps(d + 24);
+            const uint8_t *qs = (const uint8_t *)(d + 32);
+            for (int i = 0; i < QBLOCK; i++) {
+                const __m256i q = Q4_LOAD(qs + i * (PANEL / 2));
+                _mm256_storeu_ps(dst + i * PANEL, Q4_LOW(q, d0, m0));
+                _mm256_storeu_ps(dst + i * PANEL + 8, Q4_HIGH(q, d1, m1));
+            }
+        } else {
+            const int8_t *qs = (const int8_t *)(d + 16);
+            for (int i = 0; i < QBLOCK; i++) {
+                _mm256_storeu_ps(dst + i * PANEL, Q8_HALF(qs + i * PANEL, d0));
+                _mm256_storeu_ps(dst + i * PANEL + 8, Q8_HALF(qs + i * PANEL + 8, d1));
+            }
+        }
+    }
+}
+
+/* A thread's buffer of expanded panels (allocated on its first quantized call, freed when the
+ * thread exits): the widest group of panels (4) x K_BLOCK inputs. */
+#define EXPAND_FLOATS (4 * (K_BLOCK + QBLOCK) * PANEL)
+static pthread_key_t expand_key;
+static pthread_once_t expand_once = PTHREAD_ONCE_INIT;
+static int expand_key_ok;
+
+static void make_expand_key(void) { expand_key_ok = pthread_key_create(&expand_key, free) == 0; }
+
+static float *expand_buffer(void) {
+    pthread_once(&expand_once, make_expand_key);
+    if (!expand_key_ok) return NULL;
+    float *buf = pthread_getspecific(expand_key);
+    if (buf == NULL) {
+        buf = aligned_alloc(64, EXPAND_FLOATS * sizeof(float));
+        if (buf != NULL && pthread_setspecific(expand_key, buf) != 0) {
+            free(buf);
+            return NULL;
+        }
+    }
+    return buf;
+}
+
+/* Calls of a few rows (decode) on a quantized weight: rows [0, MR) against NP consecutive
+ * panels of blocks (panel stride pbytes), every term at once, each weight vector expanded in
+ * registers right before its products (no buffer: a step of one row reads 0.75 bytes a weight
+ * and writes nothing). The chains are the tiles' own: acc + x * w over k in order from zero,
+ * then the bias. */
+static inline __attribute__((always_inline)) void qtile(
+    const char *x, int64_t ldx, const char *blocks, int64_t pbytes, int k, const int format,
+    const float *bias, float *y, int64_t ldy, int n0, int n, const int MR, const int NP) {
+    __m256 acc[4][8];
+    const int64_t bb = block_bytes(format);
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 8
+        for (int v = 0; v < 2 * NP; v++) acc[r][v] = _mm256_setzero_ps();
+    for (int b = 0; b < k / QBLOCK; b++) {
+        const char *blk = blocks + b * bb;
+        const float *xb = (const float *)x + b * QBLOCK;
+        __m256 d0[4], d1[4], m0[4], m1[4];
+#pragma GCC unroll 4
+        for (int p = 0; p < NP; p++) {
+            const float *d = (const float *)(blk + p * pbytes);
+            d0[p] = _mm256_loadu_ps(d), d1[p] = _mm256_loadu_ps(d + 8);
+            if (format == FMT_Q4_1) m0[p] = _mm256_loadu_ps(d + 16), m1[p] = _mm256_loadu_ps(d + 24);
+        }
+        for (int i = 0; i < QBLOCK; i++) {
+#pragma GCC unroll 4
+            for (int p = 0; p < NP; p++) {
+                const char *qs = blk + p * pbytes + (format == FMT_Q4_1 ? 128 : 64);
+                __m256 w0, w1;
+                if (format == FMT_Q4_1) {
+                    const __m256i q = Q4_LOAD(qs + i * (PANEL / 2));
+                    w0 = Q4_LOW(q, d0[p], m0[p]);
+                    w1 = Q4_HIGH(q, d1[p], m1[p]);
+                } else {
+                    w0 = Q8_HALF(qs + i * PANEL, d0[p]);
+                    w1 = Q8_HALF(qs + i * PANEL + 8, d1[p]);
+                }
+#pragma GCC unroll 4
+                for (int r = 0; r < MR; r++) {
+                    const __m256 xr = _mm256_broadcast_ss(xb + r * ldx / 4 + i);
+                    acc[r][2 * p] = _mm256_fmadd_ps(xr, w0, acc[r][2 * p]);
+                    acc[r][2 * p + 1] = _mm256_fmadd_ps(xr, w1, acc[r][2 * p + 1]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 4
+        for (int p = 0; p < NP; p++) {
+            float out[PANEL];
+            _mm256_storeu_ps(out, acc[r][2 * p]);
+            _mm256_storeu_ps(out + 8, acc[r][2 * p + 1]);
+            const int f0 = n0 + p * PANEL;
+            const int cnt = n - f0 < PANEL ? n - f0 : PANEL;
+            if (cnt <= 0) continue;
+            if (bias)
+                for (int j = 0; j < cnt; j++) out[j] += bias[f0 + j];
+            memcpy(y + r * ldy + f0, out, sizeof(float) * cnt);
+        }
+}
+
+typedef void (*qtile_fn)(const char *, int64_t, const char *, int64_t, int, const float *,
+                         float *, int64_t, int, int);
+#define QTILE(FMT, MR, NP)                                                                   \
+    static void qtile_##FMT##_##MR##_##NP(const char *x, int64_t ldx, const char *blocks,   \
+                                          int64_t pbytes, int k, const float *bias, float *y, \
+                                          int64_t ldy, int n0, int n) {                      \
+        qtile(x, ldx, blocks, pbytes, k, FMT, bias, y, ldy, n0, n, MR, NP);                  \
+    }
+QTILE(1, 1, 1) QTILE(1, 1, 4) QTILE(1, 2, 1) QTILE(1, 2, 2) QTILE(1, 3, 1) QTILE(1, 4, 1)
+QTILE(2, 1, 1) QTILE(2, 1, 4) QTILE(2, 2, 1) QTILE(2, 2, 2) QTILE(2, 3, 1) QTILE(2, 4, 1)
+#define QFUSED_ROWS 4 /* calls of up to this many rows expand weights in registers */
+
+/* y = x @ w.T + bias for m <= QFUSED_ROWS rows of a quantized weight (see qtile) */
+static void linear_q_rows(const char *x, int m, int64_t ldxb, const char *data, int format,
+                          int n, int k, const float *bias, float *y, int64_t ldy,
+                          int num_threads) {
+    static const qtile_fn wide[3][5] = {
+        {0},
+        {0, qtile_1_1_4, qtile_1_2_2, qtile_1_3_1, qtile_1_4_1},
+        {0, qtile_2_1_4, qtile_2_2_2, qtile_2_3_1, qtile_2_4_1}};
+    static const qtile_fn one[3][5] = {
+        {0},
+        {0, qtile_1_1_1, qtile_1_2_1, qtile_1_3_1, qtile_1_4_1},
+        {0, qtile_2_1_1, qtile_2_2_1, qtile_2_3_1, qtile_2_4_1}};
+    static const int np_of[5] = {0, 4, 2, 1, 1};
+    const int np = np_of[m], panels = (n + PANEL - 1) / PANEL;
+    const int64_t pbytes = (int64_t)(k / QBLOCK) * block_bytes(format);
+    const int groups = (panels + np - 1) / np;
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1)
+    for (int g = 0; g < groups; g++) {
+        const int p0 = g * np, pn = panels - p0 < np ? panels - p0 : np;
+        if (pn == np)
+            wide[format][m](x, ldxb, data + p0 * pbytes, pbytes, k, bias, y, ldy, p0 * PANEL, n);
+        else
+            for (int p = p0; p < p0 + pn; p++)
+                one[format][m](x, ldxb, data + p * pbytes, pbytes, k, bias, y, ldy, p * PANEL,
+                               n);
+    }
+}
+
 int docqa_linear_f32_panel(void) { return PANEL; }
 
 /* y = x @ w.T + bias for m rows, k terms (pairs when bf), the elements of x and y floats,
  * or bf16 when bf (ldx and ldy in elements); see docqa_linear_f32. */
-static int linear(const void *x, int m, int64_t ldx, const float *packed, int n, int k,
-                  const float *bias, void *y, int64_t ldy, float *part, int num_threads,
+static int linear(const void *x, int m, int64_t ldx, const float *packed, int format, int n,
+                  int k, const float *bias, void *y, int64_t ldy, float *part, int num_threads,
                   int bf) {
     const int esize = bf ? 2 : 4; /* bytes of an element of x and y */
     if (m < 0 || n <= 0 || k <= 0 || ldx * esize < k * 4 || ldy < n) return -1;
@@ -224,7 +576,11 @@ static int linear(const void *x, int m, int64_t ldx, const float *packed, int n,
     const int64_t ldp = (int64_t)panels * PANEL;
     const int chunks = (k + K_BLOCK - 1) / K_BLOCK;
     if (chunks > 1 && part == NULL) return -1;
-    const int kc = (k + chunks - 1) / chunks;
+    int kc = (k + chunks - 1) / chunks;
+    if (format != FMT_F32) kc = (kc + QBLOCK - 1) / QBLOCK * QBLOCK; /* whole blocks */
+    const int qblocks = k / QBLOCK;
+    const int64_t qbytes = format != FMT_F32 ? block_bytes(format) : 0;
+    int failed = 0; /* a thread's expansion buffer could not be allocated */
     for (int r0 = 0; r0 < m; r0 += ROW_BLOCK) {
         const int rows = m - r0 < ROW_BLOCK ? m - r0 : ROW_BLOCK;
         /* the block's tiles: full MR-row tiles, then one of the rest */
@@ -241,12 +597,29 @@ static int linear(const void *x, int m, int64_t ldx, const float *packed, int n,
         /* a work item is a group of panels as wide as the widest tile used */
         const int group = full ? np_full : np_rest;
         const int groups = (panels + group - 1) / group;
-#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1)
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) \
+    reduction(| : failed)
         for (int g = 0; g < groups; g++) {
             const int p0 = g * group;
             const int pn = panels - p0 < group ? panels - p0 : group;
+            float *buf = format != FMT_F32 ? expand_buffer() : NULL;
+            if (format != FMT_F32 && buf == NULL) {
+                failed = 1;
+                continue;
+            }
             for (int k0 = 0; k0 < k; k0 += kc) {
                 const int k1 = k - k0 < kc ? k : k0 + kc;
+                /* the group's panels for these terms: packed, or expanded into buf */
+                const float *src = packed + p0 * pstride;
+                int64_t ps = pstride;
+                if (format != FMT_F32) {
+                    ps = (int64_t)kc * PANEL;
+                    for (int i = 0; i < pn; i++)
+                        expand((const char *)packed +
+                                   ((int64_t)(p0 + i) * qblocks + k0 / QBLOCK) * qbytes,
+                               format, (k1 - k0) / QBLOCK, buf + i * ps);
+                    src = buf - (int64_t)k0 * PANEL; /* term kk of panel i at src + i * ps */
+                }
                 for (int t = 0; t <= full; t++) {
                     const int rr = t < full ? MR : rest;
                     if (rr == 0) continue;
@@ -259,24 +632,33 @@ static int linear(const void *x, int m, int64_t ldx, const float *packed, int n,
                     float *pr = part ? part + (int64_t)(t * MR) * ldp : NULL;
                     int p = p0;
                     for (; p + np <= p0 + pn; p += np)
-                        wide(xr, ldxb, packed + p * pstride, k, k0, k1, bias, yr, ldy, pr, ldp,
-                             p * PANEL, n);
+                        wide(xr, ldxb, src + (p - p0) * ps, ps, k, k0, k1, bias, yr, ldy, pr,
+                             ldp, p * PANEL, n);
                     for (; p < p0 + pn; p++)
-                        narrow(xr, ldxb, packed + p * pstride, k, k0, k1, bias, yr, ldy, pr, ldp,
-                               p * PANEL, n);
+                        narrow(xr, ldxb, src + (p - p0) * ps, ps, k, k0, k1, bias, yr, ldy, pr,
+                               ldp, p * PANEL, n);
                 }
             }
         }
     }
-    return 0;
+    return failed ? -1 : 0;
 }
 
-/* y[m, n] (row stride ldy) = x[m, k] (row stride ldx) @ w.T + bias, w packed as above;
- * `part` is scratch of ROW_BLOCK x (panels * 16) floats, used when k > K_BLOCK (else NULL is
- * fine). Returns 0, or -1 for bad sizes. */
-int docqa_linear_f32(const float *x, int m, int64_t ldx, const float *packed, int n, int k,
+/* y[m, n] (row stride ldy) = x[m, k] (row stride ldx) @ w.T + bias, w packed by
+ * docqa_pack_f32 (any format, the same bits from each); `part` is scratch of ROW_BLOCK x
+ * (panels * 16) floats, used when k > K_BLOCK (else NULL is fine). Returns 0, or -1 for bad
+ * sizes, a weight packed for another shape, or no memory for the expansion buffer. */
+int docqa_linear_f32(const float *x, int m, int64_t ldx, const void *packed, int n, int k,
                      const float *bias, float *y, int64_t ldy, float *part, int num_threads) {
-    return linear(x, m, ldx, packed, n, k, bias, y, ldy, part, num_threads, 0);
+    const PackHeader *h = (const PackHeader *)packed;
+    if (h->magic != PACK_MAGIC || h->n != n || h->k != k) return -1;
+    if (h->format != FMT_F32 && m > 0 && m <= QFUSED_ROWS && ldx >= k && ldy >= n) {
+        linear_q_rows((const char *)x, m, ldx * 4, (const char *)(h + 1), h->format, n, k, bias,
+                      y, ldy, num_threads);
+        return 0;
+    }
+    return linear(x, m, ldx, (const float *)(h + 1), h->format, n, k, bias, y, ldy, part,
+                  num_threads, 0);
 }
 
 /* Output features per panel of docqa_linear_bf16 here; 0 without AVX512-BF16. */
@@ -296,7 +678,7 @@ int docqa_linear_bf16(const uint16_t *x, int m, int64_t ldx, const uint32_t *pac
                       int num_threads) {
 #ifdef HAVE_BF16
     if (k % 2) return -1;
-    return linear(x, m, ldx, (const float *)packed, n, k / 2, bias, y, ldy, part,
+    return linear(x, m, ldx, (const float *)packed, FMT_F32, n, k / 2, bias, y, ldy, part,
                   num_threads, 1);
 #else
     (void)x; (void)m; (void)ldx; (void)packed; (void)n; (void)k; (void)bias; (void)y;
@@ -318,10 +700,25 @@ int docqa_linear_bf16(const uint16_t *x, int m, int64_t ldx, const uint32_t *pac
     return -1;
 }
 
-int docqa_linear_f32(const float *x, int m, int64_t ldx, const float *packed, int n, int k,
+int docqa_linear_f32(const float *x, int m, int64_t ldx, const void *packed, int n, int k,
                      const float *bias, float *y, int64_t ldy, float *part, int num_threads) {
     (void)x; (void)m; (void)ldx; (void)packed; (void)n; (void)k; (void)bias; (void)y;
     (void)ldy; (void)part; (void)num_threads;
+    return -1;
+}
+
+int64_t docqa_pack_f32_bytes(int n, int k, int format) {
+    (void)n; (void)k; (void)format;
+    return -1;
+}
+
+int docqa_pack_f32(const float *w, int n, int k, int format, void *out, int num_threads) {
+    (void)w; (void)n; (void)k; (void)format; (void)out; (void)num_threads;
+    return -1;
+}
+
+int docqa_pack_f32_format(const void *packed) {
+    (void)packed;
     return -1;
 }
 
