@@ -3,7 +3,7 @@
     .venv/bin/python bench/load.py [--url http://127.0.0.1:8000] [--concurrency 1 4 16]
         [--groups 4] [--prompts-per-group 8] [--manual-tokens 1000] [--question-tokens 32]
         [--output-tokens 32] [--output-spread 0.5] [--requests-per-client 4] [--ramp-s auto]
-        [--rounds 1]
+        [--rounds 1] [--out FILE]
 
 Each concurrency level gets ``groups`` fresh manuals (the shared prefixes), warms them, then
 ``groups * prompts-per-group`` questions (at least ``requests-per-client`` per client, spread
@@ -335,6 +335,9 @@ def main() -> int:
     )
     ap.add_argument("--max-batched-tokens", type=int, default=None, help="for a started server")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--out", type=Path, help="the JSON results file (default: bench/results/load-DATE.json)"
+    )
     args = ap.parse_args()
 
     from inference.llm import resolve_model
@@ -431,16 +434,16 @@ def main() -> int:
             print(f"  round {i}: {ratios(g)}")
     RESULTS.mkdir(exist_ok=True)
     machine = f"{cpu_model()}, {os.cpu_count()} cores"
-    out = RESULTS / f"load-{dt.date.today().isoformat()}.json"
+    out = args.out or RESULTS / f"load-{dt.date.today().isoformat()}.json"
     n = 2
-    while out.exists() and _machine_of(out) != machine:  # a run elsewhere that day is kept
+    while not args.out and out.exists() and _machine_of(out) != machine:  # kept: another machine
         out = RESULTS / f"load-{dt.date.today().isoformat()}-{n}.json"
         n += 1
     out.write_text(
         json.dumps(
             {
                 "machine": machine,
-                "args": vars(args),
+                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                 "levels": levels,  # every round's answers pooled per level
                 "goals": goals,
                 "goals_by_round": by_round,
