@@ -238,6 +238,13 @@ def test_quantized_weights_give_the_float32_panels_bits(kind, out_f, in_f):
     off = w.clone()
     off[out_f // 2, in_f // 3] = torch.nextafter(off[out_f // 2, in_f // 3], torch.tensor(1.0))
     assert cpu_kernels.weight_format(cpu_kernels.pack_linear_f32(off, quantized=True)) == "float32"
+    zero = w.clone()
+    zero[out_f - 1, :32] = 0.0  # a block of zeros is d = 0
+    assert (
+        cpu_kernels.weight_format(cpu_kernels.pack_linear_f32(zero, quantized=True)) == kind.lower()
+    )
+    zero[out_f - 1, 7] = -0.0  # whose expansion would be +0.0
+    assert cpu_kernels.weight_format(cpu_kernels.pack_linear_f32(zero, quantized=True)) == "float32"
     with pytest.raises(ValueError, match="bad sizes"):
         cpu_kernels.linear_f32(x[:3, : in_f - 1], packed, out_f)
 

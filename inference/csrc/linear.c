@@ -24,11 +24,13 @@
  * plain panels (FMT_F32), a weight whose every block of 32 inputs of a feature is exactly a
  * llama.cpp Q4_1 block (d * q + m, q in 0..15, d and m half floats) or Q8_0 block (d * q, q in
  * -127..127) is kept in that form: 0.75 or 1.125 bytes a weight instead of 4. docqa_pack_f32
- * checks every value (it refuses a weight that is not exactly of the format), and the kernel
- * expands each panel's chunk of terms into a float32 buffer before the same register tiles run
- * on it. d * q is exact in float32 (at most 11 + 8 significant bits), so the expanded values are
- * the weight's own float32 values bit for bit, and the products are the plain panels' products:
- * the quantized forms change how many bytes a step reads, never a result.
+ * checks every value bit for bit (it refuses a weight that is not exactly of the format). Calls
+ * of up to QFUSED_ROWS rows expand each weight vector in registers right before its products
+ * (qtile); larger calls expand each panel's chunk of terms once into a per-thread float32
+ * buffer, then the same register tiles run on it. d * q is exact in float32 (at most 11 + 8
+ * significant bits), so the expanded values are the weight's own float32 values, and every
+ * output is the plain panels' chain: the quantized forms change how many bytes a step reads,
+ * never a result.
  */
 #include <math.h>
 #include <pthread.h>
@@ -260,6 +262,12 @@ int64_t docqa_pack_f32_bytes(int n, int k, int format) {
 
 #ifdef __F16C__
 static inline float half_round(float x) { return _cvtsh_ss(_cvtss_sh(x, 0)); }
+/* a == b bit for bit (a -0.0 weight is not a +0.0 one) */
+static inline int same_bits(float a, float b) {
+    uint32_t ua, ub;
+    memcpy(&ua, &a, 4), memcpy(&ub, &b, 4);
+    return ua == ub;
+}
 /* the half float `steps` representable values above (below, when negative) positive x */
 static inline float half_step(float x, int steps) {
     return _cvtsh_ss((unsigned short)(_cvtss_sh(x, 0) + steps));
@@ -273,9 +281,11 @@ static int as_q4_1(const float *v, float *d_out, float *m_out, uint8_t *q) {
         lo = v[i] < lo ? v[i] : lo;
         hi = v[i] > hi ? v[i] : hi;
     }
-    if (half_round(lo) != lo) return 0; /* the block's lowest value is m (its q is 0) */
+    if (!same_bits(half_round(lo), lo)) return 0; /* the lowest value is m (its q is 0) */
     *m_out = lo;
-    if (hi == lo) {
+    if (hi == lo) { /* d = 0: every value is 0 * 0 + m */
+        for (int i = 0; i < QBLOCK; i++)
+            if (!same_bits(0.0f + lo, v[i])) return 0;
         *d_out = 0.0f;
         memset(q, 0, QBLOCK);
         return 1;
@@ -287,7 +297,7 @@ static int as_q4_1(const float *v, float *d_out, float *m_out, uint8_t *q) {
         int ok = 1;
         for (int i = 0; i < QBLOCK && ok; i++) {
             const float t = rintf((v[i] - lo) / d);
-            ok = t >= 0.0f && t <= 15.0f && d * t + lo == v[i]; /* d * t exact */
+            ok = t >= 0.0f && t <= 15.0f && same_bits(d * t + lo, v[i]); /* d * t exact */
             q[i] = (uint8_t)t;
         }
         if (ok) {
@@ -305,7 +315,9 @@ static int as_q8_0(const float *v, float *d_out, int8_t *q) {
         if (!(v[i] == v[i]) || v[i] - v[i] != 0.0f) return 0;
         amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
     }
-    if (amax == 0.0f) {
+    if (amax == 0.0f) { /* d = 0: every value is +0 */
+        for (int i = 0; i < QBLOCK; i++)
+            if (!same_bits(0.0f, v[i])) return 0;
         *d_out = 0.0f;
         memset(q, 0, QBLOCK);
         return 1;
@@ -317,7 +329,7 @@ static int as_q8_0(const float *v, float *d_out, int8_t *q) {
         int ok = 1;
         for (int i = 0; i < QBLOCK && ok; i++) {
             const float t = rintf(v[i] / d);
-            ok = t >= -127.0f && t <= 127.0f && d * t == v[i];
+            ok = t >= -127.0f && t <= 127.0f && same_bits(d * t, v[i]);
             q[i] = (int8_t)t;
         }
         if (ok) {
