@@ -120,13 +120,16 @@ def llama_cpp_decode() -> tuple[float, str]:
     bench/peers.py run here ((tokens - 1) / (end - first token), median), with where it came
     from; the Zen 5 figure when no run here is on record."""
     here = f"{cpu_model()}, {os.cpu_count()} cores"
-    for path in sorted(RESULTS.glob("peers-*.json"), reverse=True):
+    runs = []
+    for path in RESULTS.glob("peers-*.json"):
         try:
             run = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if not run.get("versions", {}).get("machine", "").startswith(here):
-            continue
+        if run.get("versions", {}).get("machine", "").startswith(here):
+            # newest llama-server measurement first ("YYYY-MM-DD HH:MM", as peers.py writes it)
+            runs.append((run.get("runs", {}).get("llama-server", ""), path.name, run))
+    for _, name, run in sorted(runs, key=lambda r: (r[0], r[1]), reverse=True):
         rates = [
             (r["output_tokens"] - 1) / ((r["e2e_ms"] - r["ttft_ms"]) / 1000)
             for r in run.get("records", [])
@@ -137,7 +140,7 @@ def llama_cpp_decode() -> tuple[float, str]:
             and r["e2e_ms"] > r["ttft_ms"]
         ]
         if rates:
-            return statistics.median(rates), f"measured here by bench/peers.py, {path.name}"
+            return statistics.median(rates), f"measured here by bench/peers.py, {name}"
     return float(LLAMA_CPP_ZEN5_DECODE_TOK_S), "not measured here; this figure is from a Zen 5"
 
 
