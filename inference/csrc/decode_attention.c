@@ -378,7 +378,7 @@ static void unit_any(const void *q, int q_dtype, const int64_t *q_rows, int memb
  * ------------------------------------------------------------------------------------------- */
 #if defined(__AVX__) && defined(__FMA__)
 #include <immintrin.h>
-#include <pthread.h>
+#include "scratch.h"
 #define TILED_F32 1
 #define TILE_ROWS 6
 #define TILE_VECS 2 /* vectors of keys per score tile, of dims per output tile */
@@ -542,27 +542,15 @@ static void tiled_keys(TiledRows *st, int lo, int hi, const float *k_cache, cons
     }
 }
 
-/* A thread's TiledRows (too large for a worker thread's stack): allocated on the thread's first
- * unit, kept for its next calls, freed when the thread exits. */
-static pthread_key_t scratch_key;
-static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
-static int scratch_key_ok;
-
-static void make_scratch_key(void) { scratch_key_ok = pthread_key_create(&scratch_key, free) == 0; }
+/* A thread's TiledRows (too large for a worker thread's stack), its transposed K's row
+ * pointers set when it is allocated. */
+THREAD_SCRATCH(tiled_rows, sizeof(TiledRows))
 
 static TiledRows *tiled_scratch(void) {
-    pthread_once(&scratch_once, make_scratch_key);
-    if (!scratch_key_ok) return NULL;
-    TiledRows *st = pthread_getspecific(scratch_key);
-    if (st == NULL) {
-        st = aligned_alloc(64, (sizeof(TiledRows) + 63) / 64 * 64);
-        if (st != NULL && pthread_setspecific(scratch_key, st) != 0) {
-            free(st);
-            return NULL;
-        }
-        if (st != NULL)
-            for (int d = 0; d < MAX_DIM; d++) st->kt_rows[d] = st->kt + d * ROUND;
-    }
+    int fresh;
+    TiledRows *st = tiled_rows(&fresh);
+    if (fresh)
+        for (int d = 0; d < MAX_DIM; d++) st->kt_rows[d] = st->kt + d * ROUND;
     return st;
 }
 

@@ -33,10 +33,10 @@
  * never a result.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
+
+#include "scratch.h"
 
 #if defined(__FMA__) && (defined(__AVX2__) || defined(__AVX512F__))
 #include <immintrin.h>
@@ -447,28 +447,8 @@ static void expand(const char *blk, int format, int nb, float *dst) {
     }
 }
 
-/* A thread's buffer of expanded panels (allocated on its first quantized call, freed when the
- * thread exits): the widest group of panels (4) x K_BLOCK inputs. */
-#define EXPAND_FLOATS (4 * (K_BLOCK + QBLOCK) * PANEL)
-static pthread_key_t expand_key;
-static pthread_once_t expand_once = PTHREAD_ONCE_INIT;
-static int expand_key_ok;
-
-static void make_expand_key(void) { expand_key_ok = pthread_key_create(&expand_key, free) == 0; }
-
-static float *expand_buffer(void) {
-    pthread_once(&expand_once, make_expand_key);
-    if (!expand_key_ok) return NULL;
-    float *buf = pthread_getspecific(expand_key);
-    if (buf == NULL) {
-        buf = aligned_alloc(64, EXPAND_FLOATS * sizeof(float));
-        if (buf != NULL && pthread_setspecific(expand_key, buf) != 0) {
-            free(buf);
-            return NULL;
-        }
-    }
-    return buf;
-}
+/* A thread's buffer of expanded panels: the widest group of panels (4) x K_BLOCK inputs. */
+THREAD_SCRATCH(expand_buffer, 4 * (K_BLOCK + QBLOCK) * PANEL * sizeof(float))
 
 /* Calls of a few rows (decode) on a quantized weight: rows [0, MR) against NP consecutive
  * panels of blocks (panel stride pbytes), every term at once, each weight vector expanded in
@@ -614,7 +594,8 @@ static int linear(const void *x, int m, int64_t ldx, const float *packed, int fo
         for (int g = 0; g < groups; g++) {
             const int p0 = g * group;
             const int pn = panels - p0 < group ? panels - p0 : group;
-            float *buf = format != FMT_F32 ? expand_buffer() : NULL;
+            int fresh;
+            float *buf = format != FMT_F32 ? expand_buffer(&fresh) : NULL;
             if (format != FMT_F32 && buf == NULL) {
                 failed = 1;
                 continue;
