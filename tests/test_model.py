@@ -216,19 +216,22 @@ def _ggml_weight(kind: str, out_f: int, in_f: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.skipif(not cpu_kernels.linear_f32_panel(), reason="linear.c is not built here")
 @pytest.mark.parametrize(
-    "kind,out_f,in_f", [("Q4_1", 37, 800), ("Q4_1", 960, 576), ("Q8_0", 50, 1536), ("Q8_0", 16, 32)]
+    "kind,out_f,in_f",
+    [("Q4_1", 37, 800), ("Q4_1", 960, 576), ("Q8_0", 50, 1536), ("Q8_0", 16, 32), ("Q4_0", 40, 96)],
 )
 def test_quantized_weights_give_the_float32_panels_bits(kind, out_f, in_f):
     """A weight made of Q4_1 or Q8_0 blocks is packed in that form (a quarter or less of the
-    bytes) and gives, at every call size, strided rows and a bias included, the bits of the
-    same weight in plain float32 panels; one value off its block's grid keeps it in float32."""
+    bytes; Q4_0 blocks as Q8_0 ones) and gives, at every call size, strided rows and a bias
+    included, the bits of the same weight in plain float32 panels; one value off its block's
+    grid keeps it in float32."""
     w = _ggml_weight(kind, out_f, in_f, seed=5)
     bias = torch.randn(out_f, generator=torch.Generator().manual_seed(6))
     packed = cpu_kernels.pack_linear_f32(w, quantized=True)
     plain = cpu_kernels.pack_linear_f32(w, quantized=False)
-    assert cpu_kernels.weight_format(packed) == kind.lower()
+    held = "q8_0" if kind == "Q4_0" else kind.lower()
+    assert cpu_kernels.weight_format(packed) == held
     assert cpu_kernels.weight_format(plain) == "float32"
-    assert packed.numel() * (3 if kind == "Q4_1" else 2) < plain.numel()
+    assert packed.numel() * (3 if held == "q4_1" else 2) < plain.numel()
     wide = torch.randn(200, in_f + 5, generator=torch.Generator().manual_seed(7))
     x = wide[:, 2 : 2 + in_f]  # rows strided
     for n in [*range(1, 18), 28, 95, 96, 97, 200]:
@@ -240,9 +243,7 @@ def test_quantized_weights_give_the_float32_panels_bits(kind, out_f, in_f):
     assert cpu_kernels.weight_format(cpu_kernels.pack_linear_f32(off, quantized=True)) == "float32"
     zero = w.clone()
     zero[out_f - 1, :32] = 0.0  # a block of zeros is d = 0
-    assert (
-        cpu_kernels.weight_format(cpu_kernels.pack_linear_f32(zero, quantized=True)) == kind.lower()
-    )
+    assert cpu_kernels.weight_format(cpu_kernels.pack_linear_f32(zero, quantized=True)) == held
     zero[out_f - 1, 7] = -0.0  # whose expansion would be +0.0
     assert cpu_kernels.weight_format(cpu_kernels.pack_linear_f32(zero, quantized=True)) == "float32"
     with pytest.raises(ValueError, match="bad sizes"):

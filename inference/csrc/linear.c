@@ -23,7 +23,7 @@
  * A float32 weight is packed behind a 64-byte header (PackHeader) naming its format. Besides
  * plain panels (FMT_F32), a weight whose every block of 32 inputs of a feature is exactly a
  * llama.cpp Q4_1 block (d * q + m, q in 0..15, d and m half floats) or Q8_0 block (d * q, q in
- * -127..127) is kept in that form: 0.75 or 1.125 bytes a weight instead of 4. docqa_pack_f32
+ * -127..127; Q4_0 blocks are Q8_0 ones with q in -8..8) is kept in that form: 0.75 or 1.125 bytes a weight instead of 4. docqa_pack_f32
  * checks every value bit for bit (it refuses a weight that is not exactly of the format). Calls
  * of up to QFUSED_ROWS rows expand each weight vector in registers right before its products
  * (qtile); larger calls expand each panel's chunk of terms once into a per-thread float32
@@ -322,19 +322,24 @@ static int as_q8_0(const float *v, float *d_out, int8_t *q) {
         memset(q, 0, QBLOCK);
         return 1;
     }
-    const float guess = half_round(amax / 127.0f);
-    for (int c = 0; c < 5; c++) {
-        const float d = half_step(guess, (c + 1) / 2 * (c % 2 ? 1 : -1));
-        if (!(d > 0.0f) || d - d != 0.0f) continue;
-        int ok = 1;
-        for (int i = 0; i < QBLOCK && ok; i++) {
-            const float t = rintf(v[i] / d);
-            ok = t >= -127.0f && t <= 127.0f && same_bits(d * t, v[i]);
-            q[i] = (int8_t)t;
-        }
-        if (ok) {
-            *d_out = d;
-            return 1;
+    /* the largest value is 127 d in a Q8_0 block, 8 |d| in a Q4_0 one (d * (q - 8), q in
+     * 0..15: the same values as a Q8_0 block's, at 1.125 bytes a weight instead of 4) */
+    static const float top[2] = {127.0f, 8.0f};
+    for (int g = 0; g < 2; g++) {
+        const float guess = half_round(amax / top[g]);
+        for (int c = 0; c < 5; c++) {
+            const float d = half_step(guess, (c + 1) / 2 * (c % 2 ? 1 : -1));
+            if (!(d > 0.0f) || d - d != 0.0f) continue;
+            int ok = 1;
+            for (int i = 0; i < QBLOCK && ok; i++) {
+                const float t = rintf(v[i] / d);
+                ok = t >= -127.0f && t <= 127.0f && same_bits(d * t, v[i]);
+                q[i] = (int8_t)t;
+            }
+            if (ok) {
+                *d_out = d;
+                return 1;
+            }
         }
     }
     return 0;
