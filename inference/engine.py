@@ -191,12 +191,16 @@ class LLMEngine:
             self.model = LlamaModel.from_pretrained(model_dir, self.dtype, self.device)
         self.attention_backend = resolve_backend(config.attention_backend, self.device)
         self.model.attn_backend = make_backend(self.attention_backend)
+        held = ", ".join(
+            f"{kind} {size / 2**20:.1f} MiB" for kind, size in self.model.linear_storage().items()
+        )
         log.info(
-            "loaded %s (%s, %s) in %.1f s",
+            "loaded %s (%s, %s) in %.1f s; linear weights: %s",
             model_dir.name,
             dtype_name(self.dtype),
             self.device,
             time.perf_counter() - t0,
+            held,
         )
         cfg = self.model_config
         max_len = cfg.max_position_embeddings
