@@ -244,7 +244,8 @@ def linear_f32(
     """x @ weight.T (+ bias), each output one fused multiply-add chain over the inputs in
     order: a row's bits never depend on the other rows of the call (``docqa_linear_f32``)."""
     assert x.dtype == torch.float32 and packed.dtype == torch.uint8
-    return _panel_linear("docqa_linear_f32", x, packed, x.shape[1], out_features, bias)
+    k = x.shape[1]
+    return _panel_linear("docqa_linear_f32", x, packed, k, k, out_features, bias)
 
 
 def linear_bf16(
@@ -257,7 +258,8 @@ def linear_bf16(
     the input pairs in order, rounded once: a row's bits never depend on the other rows of the
     call (``docqa_linear_bf16``)."""
     assert x.dtype == torch.bfloat16
-    return _panel_linear("docqa_linear_bf16", x, packed, 2 * packed.shape[1], out_features, bias)
+    pairs = packed.shape[1]
+    return _panel_linear("docqa_linear_bf16", x, packed, 2 * pairs, pairs, out_features, bias)
 
 
 def linear_part_floats(rows: int, out_features: int, terms: int) -> int:
@@ -268,14 +270,15 @@ def linear_part_floats(rows: int, out_features: int, terms: int) -> int:
     return min(rows, LINEAR_ROW_BLOCK) * -(-out_features // LINEAR_PANEL) * LINEAR_PANEL
 
 
-def _panel_linear(name, x, packed, k, out_features, bias) -> torch.Tensor:
+def _panel_linear(name, x, packed, k, terms, out_features, bias) -> torch.Tensor:
+    """``name``'s product of x [m, k] with ``packed``, whose outputs each sum ``terms`` terms."""
     assert x.dim() == 2 and x.shape[1] == k and packed.is_contiguous()
     m = x.shape[0]
     if x.stride(1) != 1 or x.stride(0) < k:
         x = x.contiguous()
     y = x.new_empty(m, out_features)
     part = None
-    floats = linear_part_floats(m, out_features, k // 2 if name == "docqa_linear_bf16" else k)
+    floats = linear_part_floats(m, out_features, terms)
     if floats:
         part = torch.empty(floats, dtype=torch.float32)
     rc = getattr(linear_library(), name)(

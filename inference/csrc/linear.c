@@ -568,6 +568,11 @@ static int linear(const void *x, int m, int64_t ldx, const float *packed, int fo
     if (m < 0 || n <= 0 || k <= 0 || ldx * esize < k * 4 || ldy < n) return -1;
     if (m == 0) return 0;
     const int64_t ldxb = ldx * esize;
+    if (format != FMT_F32 && m <= QFUSED_ROWS) {
+        linear_q_rows((const char *)x, m, ldxb, (const char *)packed, format, n, k, bias,
+                      (float *)y, ldy, num_threads);
+        return 0;
+    }
     const int panels = (n + PANEL - 1) / PANEL;
     const int64_t pstride = (int64_t)k * PANEL;
     const int64_t ldp = (int64_t)panels * PANEL;
@@ -594,47 +599,46 @@ static int linear(const void *x, int m, int64_t ldx, const float *packed, int fo
         /* a work item is a group of panels as wide as the widest tile used */
         const int group = full ? np_full : np_rest;
         const int groups = (panels + group - 1) / group;
-#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) \
-    reduction(| : failed)
-        for (int g = 0; g < groups; g++) {
-            const int p0 = g * group;
-            const int pn = panels - p0 < group ? panels - p0 : group;
-            int fresh;
-            float *buf = format != FMT_F32 ? expand_buffer(&fresh) : NULL;
-            if (format != FMT_F32 && buf == NULL) {
-                failed = 1;
-                continue;
-            }
-            for (int k0 = 0; k0 < k; k0 += kc) {
-                const int k1 = k - k0 < kc ? k : k0 + kc;
-                /* the group's panels for these terms: packed, or expanded into buf */
-                const float *src = packed + p0 * pstride;
-                int64_t ps = pstride;
-                if (format != FMT_F32) {
-                    ps = (int64_t)kc * PANEL;
-                    for (int i = 0; i < pn; i++)
-                        expand((const char *)packed +
-                                   ((int64_t)(p0 + i) * qblocks + k0 / QBLOCK) * qbytes,
-                               format, (k1 - k0) / QBLOCK, buf + i * ps);
-                    src = buf - (int64_t)k0 * PANEL; /* term kk of panel i at src + i * ps */
-                }
-                for (int t = 0; t <= full; t++) {
-                    const int rr = t < full ? MR : rest;
-                    if (rr == 0) continue;
-                    const int np = t < full ? np_full : np_rest;
-                    tile_fn wide = t < full ? wide_full : wide_rest;
-                    tile_fn narrow = t < full ? narrow_full : narrow_rest;
-                    const int row = r0 + t * MR;
-                    const char *xr = (const char *)x + (int64_t)row * ldxb;
-                    char *yr = (char *)y + (int64_t)row * ldy * esize;
-                    float *pr = part ? part + (int64_t)(t * MR) * ldp : NULL;
-                    int p = p0;
-                    for (; p + np <= p0 + pn; p += np)
-                        wide(xr, ldxb, src + (p - p0) * ps, ps, k, k0, k1, bias, yr, ldy, pr,
-                             ldp, p * PANEL, n);
-                    for (; p < p0 + pn; p++)
-                        narrow(xr, ldxb, src + (p - p0) * ps, ps, k, k0, k1, bias, yr, ldy, pr,
-                               ldp, p * PANEL, n);
+#pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1) reduction(| : failed)
+        {
+            float *buf = format != FMT_F32 ? expand_buffer(NULL) : NULL; /* once per thread */
+            failed |= format != FMT_F32 && buf == NULL;
+#pragma omp for schedule(static)
+            for (int g = 0; g < groups; g++) {
+                const int p0 = g * group;
+                const int pn = panels - p0 < group ? panels - p0 : group;
+                if (format != FMT_F32 && buf == NULL) continue;
+                for (int k0 = 0; k0 < k; k0 += kc) {
+                    const int k1 = k - k0 < kc ? k : k0 + kc;
+                    /* the group's panels for these terms: packed, or expanded into buf */
+                    const float *src = packed + p0 * pstride;
+                    int64_t ps = pstride;
+                    if (format != FMT_F32) {
+                        ps = (int64_t)kc * PANEL;
+                        for (int i = 0; i < pn; i++)
+                            expand((const char *)packed +
+                                       ((int64_t)(p0 + i) * qblocks + k0 / QBLOCK) * qbytes,
+                                   format, (k1 - k0) / QBLOCK, buf + i * ps);
+                        src = buf - (int64_t)k0 * PANEL; /* term kk of panel i at src + i * ps */
+                    }
+                    for (int t = 0; t <= full; t++) {
+                        const int rr = t < full ? MR : rest;
+                        if (rr == 0) continue;
+                        const int np = t < full ? np_full : np_rest;
+                        tile_fn wide = t < full ? wide_full : wide_rest;
+                        tile_fn narrow = t < full ? narrow_full : narrow_rest;
+                        const int row = r0 + t * MR;
+                        const char *xr = (const char *)x + (int64_t)row * ldxb;
+                        char *yr = (char *)y + (int64_t)row * ldy * esize;
+                        float *pr = part ? part + (int64_t)(t * MR) * ldp : NULL;
+                        int p = p0;
+                        for (; p + np <= p0 + pn; p += np)
+                            wide(xr, ldxb, src + (p - p0) * ps, ps, k, k0, k1, bias, yr, ldy, pr,
+                                 ldp, p * PANEL, n);
+                        for (; p < p0 + pn; p++)
+                            narrow(xr, ldxb, src + (p - p0) * ps, ps, k, k0, k1, bias, yr, ldy, pr,
+                                   ldp, p * PANEL, n);
+                    }
                 }
             }
         }
@@ -650,11 +654,6 @@ int docqa_linear_f32(const float *x, int m, int64_t ldx, const void *packed, int
                      const float *bias, float *y, int64_t ldy, float *part, int num_threads) {
     const PackHeader *h = (const PackHeader *)packed;
     if (h->magic != PACK_MAGIC || h->n != n || h->k != k) return -1;
-    if (h->format != FMT_F32 && m > 0 && m <= QFUSED_ROWS && ldx >= k && ldy >= n) {
-        linear_q_rows((const char *)x, m, ldx * 4, (const char *)(h + 1), h->format, n, k, bias,
-                      y, ldy, num_threads);
-        return 0;
-    }
     return linear(x, m, ldx, (const float *)(h + 1), h->format, n, k, bias, y, ldy, part,
                   num_threads, 0);
 }

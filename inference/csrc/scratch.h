@@ -5,7 +5,8 @@
  *     THREAD_SCRATCH(name, bytes)
  *
  * defines `static void *name(int *fresh)`: the calling thread's buffer of `bytes` bytes, or NULL
- * when it cannot be allocated; *fresh is set to 1 on the call that allocated it, else 0. */
+ * when it cannot be allocated; *fresh (unless fresh is NULL) is set to 1 on the call that
+ * allocated it, else 0. */
 #ifndef DOCQA_SCRATCH_H
 #define DOCQA_SCRATCH_H
 #include <pthread.h>
@@ -19,7 +20,7 @@
         name##_key_ok = pthread_key_create(&name##_key, free) == 0;                            \
     }                                                                                          \
     static void *name(int *fresh) {                                                            \
-        *fresh = 0;                                                                            \
+        if (fresh) *fresh = 0;                                                                 \
         pthread_once(&name##_once, name##_make_key);                                           \
         if (!name##_key_ok) return NULL;                                                       \
         void *buf = pthread_getspecific(name##_key);                                           \
@@ -29,7 +30,7 @@
                 free(buf);                                                                     \
                 return NULL;                                                                   \
             }                                                                                  \
-            *fresh = buf != NULL;                                                              \
+            if (fresh) *fresh = buf != NULL;                                                   \
         }                                                                                      \
         return buf;                                                                            \
     }
