@@ -2,8 +2,9 @@
 
     .venv/bin/python bench/steps.py [--manual-tokens 1000] [--question-tokens 48]
         [--decodes 1 4 16] [--repeats 20] [--no-breakdown] [--compare-layers]
+        [--dtype auto|float32|bfloat16]
 
-One engine (the default model, ``auto`` dtype) caches ``manuals`` manuals; requests then ask
+One engine (the default model, ``--dtype``, ``auto`` by default) caches ``manuals`` manuals; requests then ask
 about them in turn.
 Each shape is timed as the median of ``repeats`` forward passes of the model with the same
 inputs (the KV writes land in the same slots every time): ``N decodes`` is N requests each
@@ -154,9 +155,10 @@ def main() -> None:
         action="store_true",
         help="time the compiled layer loop against the Python one, side by side",
     )
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     args = ap.parse_args()
 
-    engine = LLMEngine(EngineConfig(model_dir=resolve_model(None)))
+    engine = LLMEngine(EngineConfig(model_dir=resolve_model(None), dtype=args.dtype))
     tok = engine.tokenizer
     builder = PromptBuilder(tok)
     base = manual_text(tok, args.manual_tokens)

@@ -67,8 +67,10 @@ def cpu_bf16_matmul_is_faster() -> bool:
     (a few tens of ms): native bf16 support alone does not decide it. With oneDNN's products,
     measured: a Zen 5 core runs bf16 about 4x faster than float32; an AVX512-BF16 Xeon without
     AMX about 1.8x slower; a CPU that emulates bf16 about 3x slower. Where linear.c builds in
-    both dtypes (AVX512-BF16), its two kernels are compared instead (a Zen 4 core: bf16 2.5x
-    faster). The products run on one thread and are timed in that thread's CPU time, so other
+    both dtypes (AVX512-BF16), the kernels the model runs are compared instead: linear.c's
+    float32 panels against linear_amx.c on a CPU with AMX (a Xeon core: bf16 7-8x faster,
+    where linear.c's bf16 panels are 1.1x slower than its float32 ones), else against linear.c's
+    bf16 panels (a Zen 4 core: bf16 2.5x faster). The products run on one thread and are timed in that thread's CPU time, so other
     processes busy on the machine (replicas starting together) cannot change the answer: every
     process on one machine picks the same dtype, and with it the same prefix-cache
     fingerprint."""
@@ -79,9 +81,15 @@ def cpu_bf16_matmul_is_faster() -> bool:
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(256, 576, generator=gen)
     w = torch.randn(1536, 576, generator=gen)
-    # the products the model would run: the compiled kernels where both build (linear.c in
-    # float32 and bf16), else torch's
-    if cpu_kernels.linear_f32_panel() and cpu_kernels.linear_bf16_panel():
+    # the products the model would run (inference/layers.py, Linear): linear.c in float32
+    # against linear_amx.c where the tile unit is ours, else linear.c's bf16 panels; torch's
+    # where those do not build
+    if cpu_kernels.linear_f32_panel() and cpu_kernels.linear_bf16_amx_available():
+        p32 = cpu_kernels.pack_linear_f32(w)
+        p16 = cpu_kernels.pack_linear_bf16_amx(w.bfloat16())
+        f32 = functools.partial(cpu_kernels.linear_f32, a, p32, 1536)
+        f16 = functools.partial(cpu_kernels.linear_bf16_amx, a.bfloat16(), p16, 1536)
+    elif cpu_kernels.linear_f32_panel() and cpu_kernels.linear_bf16_panel():
         p32, p16 = cpu_kernels.pack_linear_f32(w), cpu_kernels.pack_linear_bf16(w.bfloat16())
         f32 = functools.partial(cpu_kernels.linear_f32, a, p32, 1536)
         f16 = functools.partial(cpu_kernels.linear_bf16, a.bfloat16(), p16, 1536)

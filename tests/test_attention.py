@@ -121,8 +121,9 @@ def _cpu_flags() -> set[str]:
 
 def test_bf16_products_take_the_tile_unit_where_the_cpu_has_one():
     """On a CPU with AMX-BF16 the bf16 attention kernel and linear layers run on the tile
-    unit (so the bf16 kernel tests here check that path); on one with AVX512-BF16 alone, the
-    linear layers run in linear.c's bf16 kernel; elsewhere they keep oneDNN's path."""
+    unit (so the bf16 kernel tests here check that path, and ``auto`` picks bf16); on one with
+    AVX512-BF16 alone, the linear layers run in linear.c's bf16 kernel; elsewhere they keep
+    oneDNN's path."""
     if os.environ.get("DOCQA_CPU_KERNELS", "1") == "0":
         pytest.skip("CPU kernels turned off")
     from inference.layers import Linear
@@ -136,6 +137,12 @@ def test_bf16_products_take_the_tile_unit_where_the_cpu_has_one():
     lin = Linear(torch.zeros(48, 64, dtype=torch.bfloat16))
     assert (lin._tiles is not None) is amx
     assert (lin._bf16_panels is not None) is (bf16 and not amx)
+    if amx and cpu_kernels.linear_f32_panel():
+        # the tile unit runs these products 7-8x faster than linear.c's float32 panels:
+        # ``auto`` must weigh the kernel the model runs, not linear.c's bf16 panels
+        from inference.engine import resolve_dtype
+
+        assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
 
 
 @pytest.mark.parametrize("bs", [8, 16, 64, 128])
