@@ -15,12 +15,15 @@
  * 32; a call's last rows short of 16 are first copied to a zeroed scratch tile (the unit must
  * not read past x).
  *
- * Threads split the feature tiles. Each weight tile is read once per 80 rows: its k-blocks
- * stream in order while up to five row tiles (five accumulators) take their product with each.
- * The weight thus streams from memory once for calls of up to 80 rows; each further row tile
- * adds its products (measured on a 2-core Xeon with AMX, the 30 layers of SmolLM2: 1 row
- * 11-14 ms, 16 rows the same, 48 rows 18-22 ms, 512 rows 96 ms; oneDNN's packed products
- * 17-20, 17-20, 20-25 and 91 ms in the same runs).
+ * Threads split the feature tiles in groups: three against a call of one row tile (16 rows
+ * or fewer), else two, against every pair of row tiles in turn. Three or four independent
+ * sums keep the unit busy while each waits on its last product, and every weight tile loaded
+ * serves the pass's row tiles; after a group's first pair its weights come from the caches, so
+ * the weight streams from memory once a call. Measured on a 2-core Xeon with AMX (about 25 GB/s
+ * from memory), the 30 layers and the output of SmolLM2 from Python: 1 row 11-12 ms (the
+ * weight's 270 MB from memory), 32 rows 12.5, 48 rows 14.5, 64 rows 16.4, 128 rows 24; one
+ * feature tile against up to five row tiles at a time, before, took 12.4, 15.9-16.8, 18.8-19.9,
+ * 22 and 38 ms in runs beside these.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -55,6 +58,85 @@ static inline float *bias_of(const float *bias, int n0, int n, float *buf) {
     return buf;
 }
 
+/* A row tile's rows: where its first row starts, the row stride in bytes, and how many. */
+typedef struct {
+    const uint16_t *x;
+    int64_t stride;
+    int rows;
+} RowTile;
+
+/* Row tiles t[0 .. rn) (rn 1 or 2) against feature tiles nb0 .. nb0 + fc of the packed
+ * weight w (fc up to 3 for one row tile, up to 2 for two), every sum over the k-blocks in
+ * order from zero. Sums of row tile r and feature tile f live in tile register fc_max * r + f
+ * (0-3); with one row tile its rows load into 3 and 7 by turns and the weights into 4, 5, 6;
+ * with two, rows into 4, 5 and weights into 6, 7. Three or four independent sums hide the
+ * product's latency, and each weight tile loaded serves every row tile of the pass. */
+static inline __attribute__((always_inline)) void rows_pass(
+    const RowTile *t, int rn, const uint16_t *w, int64_t wstep, int kb_n, int nb0, int fc,
+    const float *bias, uint16_t *y, int64_t ldy, int n, float *c, float *bias_buf) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const uint16_t *a0 = t[0].x, *a1 = rn > 1 ? t[1].x : t[0].x;
+    const int64_t s0 = t[0].stride, s1 = rn > 1 ? t[1].stride : t[0].stride;
+    if (rn == 1) {
+        for (int kb = 0; kb < kb_n; kb++) {
+            const uint16_t *wk = w + kb * 512;
+#define AMX_ONE_ROW(areg)                                                                      \
+    _tile_loadd(areg, a0 + kb * 32, s0);                                                       \
+    _tile_loadd(4, wk, 64);                                                                    \
+    _tile_dpbf16ps(0, areg, 4);                                                                \
+    if (fc > 1) {                                                                              \
+        _tile_loadd(5, wk + wstep, 64);                                                        \
+        _tile_dpbf16ps(1, areg, 5);                                                            \
+    }                                                                                          \
+    if (fc > 2) {                                                                              \
+        _tile_loadd(6, wk + 2 * wstep, 64);                                                    \
+        _tile_dpbf16ps(2, areg, 6);                                                            \
+    }
+            if (kb & 1) {
+                AMX_ONE_ROW(7)
+            } else {
+                AMX_ONE_ROW(3)
+            }
+#undef AMX_ONE_ROW
+        }
+    } else {
+        for (int kb = 0; kb < kb_n; kb++) {
+            const uint16_t *wk = w + kb * 512;
+            _tile_loadd(4, a0 + kb * 32, s0);
+            _tile_loadd(6, wk, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(5, a1 + kb * 32, s1);
+            _tile_dpbf16ps(2, 5, 6);
+            if (fc > 1) {
+                _tile_loadd(7, wk + wstep, 64);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+    }
+#define AMX_STORE(reg, r, f)                                                                   \
+    if (rn > r && fc > f) {                                                                    \
+        const int nb = nb0 + f;                                                                \
+        _tile_stored(reg, c, 64);                                                              \
+        store_tile(c, t[r].rows, bias_of(bias, nb * 16, n, bias_buf),                          \
+                   y + (int64_t)r * 16 * ldy, ldy, nb * 16, n);                                \
+    }
+    if (rn == 1) {
+        AMX_STORE(0, 0, 0)
+        AMX_STORE(1, 0, 1)
+        AMX_STORE(2, 0, 2)
+    } else {
+        AMX_STORE(0, 0, 0)
+        AMX_STORE(1, 0, 1)
+        AMX_STORE(2, 1, 0)
+        AMX_STORE(3, 1, 1)
+    }
+#undef AMX_STORE
+}
+
 int docqa_linear_bf16_amx(const uint16_t *x, int m, int64_t ldx, const uint16_t *packed, int n,
                           int k, const float *bias, uint16_t *y, int64_t ldy, int num_threads) {
     if (m < 0 || n <= 0 || k <= 0 || k % 32 || ldx < k || ldy < n) return -1;
@@ -70,62 +152,38 @@ int docqa_linear_bf16_amx(const uint16_t *x, int m, int64_t ldx, const uint16_t 
             memcpy(tail + (int64_t)r * k, x + (int64_t)(full * 16 + r) * ldx, (size_t)k * 2);
     }
     const int blocks = full + (rest ? 1 : 0); /* row tiles */
-    const int64_t tile_elems = 512;           /* bf16 per packed tile */
+    RowTile *tiles = (RowTile *)malloc(sizeof(RowTile) * blocks);
+    if (!tiles) {
+        free(tail);
+        return -1;
+    }
+    for (int r = 0; r < blocks; r++)
+        tiles[r] = r < full ? (RowTile){x + (int64_t)r * 16 * ldx, ldx * 2, 16}
+                            : (RowTile){tail, (int64_t)k * 2, rest};
+    /* feature tiles a group: three against one row tile, else two, every pair of row tiles
+     * in turn (after the first pair, the group's weights come from the caches) */
+    const int per = blocks == 1 ? 3 : 2;
+    const int groups = (nb_n + per - 1) / per;
+    const int64_t wstep = (int64_t)kb_n * 512; /* the next feature tile's weights */
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
     {
         amx_configure_tiles();
         float c[256] __attribute__((aligned(64)));
         float bias_buf[16];
 #pragma omp for schedule(static)
-        for (int nb = 0; nb < nb_n; nb++) {
-            const uint16_t *w = packed + (int64_t)nb * kb_n * tile_elems;
-            float *bs = bias_of(bias, nb * 16, n, bias_buf);
-            for (int t0 = 0; t0 < blocks; t0 += 5) {
-                const int tn = blocks - t0 < 5 ? blocks - t0 : 5;
-                const uint16_t *a[5];
-                int64_t lda[5];
-                for (int t = 0; t < tn; t++) {
-                    const int tt = t0 + t;
-                    a[t] = tt < full ? x + (int64_t)tt * 16 * ldx : tail;
-                    lda[t] = (tt < full ? ldx : k) * 2;
-                }
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                _tile_zero(4);
-                for (int kb = 0; kb < kb_n; kb++) {
-                    _tile_loadd(7, w + kb * tile_elems, 64);
-                    /* row tiles load into two registers in turn, so a load need not wait for
-                     * the product reading the last one */
-#define AMX_ROW_TILE(t, reg)                                                                   \
-    if (tn > t) {                                                                              \
-        _tile_loadd(reg, a[t] + kb * 32, lda[t]);                                              \
-        _tile_dpbf16ps(t, reg, 7);                                                             \
-    }
-                    AMX_ROW_TILE(0, 5)
-                    AMX_ROW_TILE(1, 6)
-                    AMX_ROW_TILE(2, 5)
-                    AMX_ROW_TILE(3, 6)
-                    AMX_ROW_TILE(4, 5)
-#undef AMX_ROW_TILE
-                }
-#define AMX_STORE(t)                                                                           \
-    if (tn > t) {                                                                              \
-        _tile_stored(t, c, 64);                                                                \
-        store_tile(c, t0 + t < full ? 16 : rest, bs, y + (int64_t)(t0 + t) * 16 * ldy, ldy,    \
-                   nb * 16, n);                                                                \
-    }
-                AMX_STORE(0)
-                AMX_STORE(1)
-                AMX_STORE(2)
-                AMX_STORE(3)
-                AMX_STORE(4)
-#undef AMX_STORE
+        for (int g = 0; g < groups; g++) {
+            const int nb0 = g * per;
+            const int fc = nb_n - nb0 < per ? nb_n - nb0 : per;
+            const uint16_t *w = packed + (int64_t)nb0 * wstep;
+            for (int r = 0; r < blocks; r += 2) {
+                const int rn = blocks - r < 2 ? blocks - r : 2;
+                rows_pass(tiles + r, rn, w, wstep, kb_n, nb0, fc, bias,
+                          y + (int64_t)r * 16 * ldy, ldy, n, c, bias_buf);
             }
         }
         _tile_release();
     }
+    free(tiles);
     free(tail);
     return 0;
 }
