@@ -4,8 +4,8 @@
         [--decodes 1 4 16] [--repeats 20] [--no-breakdown] [--compare-layers]
         [--dtype auto|float32|bfloat16]
 
-One engine (the default model, ``--dtype``, ``auto`` by default) caches ``manuals`` manuals; requests then ask
-about them in turn.
+One engine (the default model, ``--dtype``, ``auto`` by default) caches ``manuals``
+manuals; requests then ask about them in turn.
 Each shape is timed as the median of ``repeats`` forward passes of the model with the same
 inputs (the KV writes land in the same slots every time): ``N decodes`` is N requests each
 decoding one token after the manual and a question; ``question`` adds one question's prefill

@@ -69,11 +69,11 @@ def cpu_bf16_matmul_is_faster() -> bool:
     AMX about 1.8x slower; a CPU that emulates bf16 about 3x slower. Where linear.c builds in
     both dtypes (AVX512-BF16), the kernels the model runs are compared instead: linear.c's
     float32 panels against linear_amx.c on a CPU with AMX (a Xeon core: bf16 7-8x faster,
-    where linear.c's bf16 panels are 1.1x slower than its float32 ones), else against linear.c's
-    bf16 panels (a Zen 4 core: bf16 2.5x faster). The products run on one thread and are timed in that thread's CPU time, so other
-    processes busy on the machine (replicas starting together) cannot change the answer: every
-    process on one machine picks the same dtype, and with it the same prefix-cache
-    fingerprint."""
+    where linear.c's bf16 panels are 1.1x slower than its float32 ones), else against
+    linear.c's bf16 panels (a Zen 4 core: bf16 2.5x faster). The products run on one thread
+    and are timed in that thread's CPU time, so other processes busy on the machine (replicas
+    starting together) cannot change the answer: every process on one machine picks the same
+    dtype, and with it the same prefix-cache fingerprint."""
     if not cpu_has_native_bf16():
         return False
     from inference import cpu_kernels
