@@ -462,10 +462,11 @@ class CPUBackend(TorchBackend):
 
     bf16 on AVX512-BF16 (the default on such CPUs): every token of the step, prompt and decode
     alike, in one call per layer (``cpu_kernels.attention_bf16``), written in place into the
-    layer's output. A work unit is one KV head of a group of tokens: up to ``48 // group``
-    consecutive tokens of one prompt chunk, or decode tokens whose contexts start with the same
-    blocks (``cpu_kernels.decode_groups``). A token's result is the same bits as a prompt token
-    or a decode token, alone or in any batch.
+    layer's output. A work unit is one KV head of a group of tokens: up to
+    ``cpu_kernels.bf16_unit_rows() // group`` tokens (32 where the tile unit runs it, else 16),
+    consecutive tokens of one prompt chunk in groups of even sizes, or decode tokens whose
+    contexts start with the same blocks (``cpu_kernels.decode_groups``). A token's result is
+    the same bits as a prompt token or a decode token, alone or in any batch.
 
     Other dtypes (float32) and shapes: every token of the step, prompt and decode alike,
     through ``cpu_kernels.decode_attention`` where it takes the shape (units of up to
@@ -507,11 +508,12 @@ class CPUBackend(TorchBackend):
         self, meta: AttentionMetadata, device, bs: int, group: int, bf16: bool, tiled: bool = False
     ) -> StepPlan:
         """A kernel's tokens and groups for this step (built once, used by every layer):
-        prompt chunks first, cut into groups of consecutive tokens, then the decode tokens
-        grouped by shared leading blocks; then the groups with the most keys to walk first
-        (``_largest_first``). A prompt group shares its chunk's table: for the bf16 kernel
-        and the register-tiled float32 one every key of the group (its last token's context),
-        for the other float32 one the whole rounds of its first token's context."""
+        prompt chunks first, cut into as few groups of consecutive tokens as the unit size
+        allows, of even sizes, then the decode tokens grouped by shared leading blocks; then
+        the groups with the most keys to walk first (``_largest_first``). A prompt group shares
+        its chunk's table: for the bf16 kernel and the register-tiled float32 one every key of
+        the group (its last token's context), for the other float32 one the whole rounds of its
+        first token's context."""
         key = "cpu-bf16" if bf16 else "cpu-f32-tiled" if tiled else "cpu-f32"
         plan = meta.scratch.get(key)
         if plan is not None:
@@ -520,7 +522,7 @@ class CPUBackend(TorchBackend):
         # its own), or only the whole rounds of its first token's
         whole = bf16 or tiled
         k = self.k
-        max_rows = k.BF16_MAX_ROWS if bf16 else k.TILED_MAX_ROWS if tiled else k.MAX_ROWS
+        max_rows = k.bf16_unit_rows() if bf16 else k.TILED_MAX_ROWS if tiled else k.MAX_ROWS
         per = max(1, max_rows // group)
         q_rows: list[int] = []
         seq_of: list[int] = []
@@ -532,8 +534,10 @@ class CPUBackend(TorchBackend):
         ):
             if not dec:
                 first = sl - ql  # position of the chunk's first token
-                for c in range(0, ql, per):
-                    n = min(per, ql - c)
+                parts = -(-ql // per)  # as few groups as the rows allow, of even sizes
+                for j in range(parts):
+                    c = ql * j // parts
+                    n = ql * (j + 1) // parts - c
                     q_rows.extend(range(start + c, start + c + n))
                     seq_of.extend([i] * n)
                     ctx.extend(range(first + c + 1, first + c + n + 1))

@@ -529,7 +529,19 @@ def decode_kernel_supports(
 ROUND = 64  # keys per online-softmax round (decode_attention.c); shared parts end on one
 MAX_ROWS = 16  # query rows per work unit of docqa_decode_attention
 TILED_MAX_ROWS = 48  # the same on its register-tiled float32 path (decode_attention_tiled)
-BF16_MAX_ROWS = 48  # query rows per work unit of docqa_attention_bf16
+BF16_MAX_ROWS = 96  # query rows per work unit of docqa_attention_bf16 (its capacity)
+
+
+def bf16_unit_rows() -> int:
+    """Query rows the plan gives a unit of ``attention_bf16``: 96 (32 tokens of 3 query heads)
+    where the tile unit runs it, 48 elsewhere. Each unit reads its keys and stages them once
+    for all its rows; on the tile unit its rows go 16 a tile against the staged keys, so fewer,
+    larger units cost less (a 51-token question after a cached 1,051-token manual, in one step
+    on a 2-core Xeon with AMX, interleaved runs: 25.1-27.3 ms in units of 96 rows, 26.2-28.9
+    in units of 48; 16 decodes and that question 36.6-37.8 against 38.4-39.6). Elsewhere
+    units keep the 48 rows the AVX512-BF16 paths were measured with (Zen 4)."""
+    lib = decode_attention_library()
+    return BF16_MAX_ROWS if getattr(lib, "amx", False) else 48
 
 
 def bf16_kernel_supports(

@@ -204,21 +204,26 @@ def test_kernel_gives_a_prompt_token_the_bits_of_a_decode_token(dtype):
 
 
 def test_bf16_kernel_groups_do_not_change_outputs():
-    """Decode tokens about one manual in groups of up to 48 query rows whose shared keys are
-    read once, and prompt tokens in groups of consecutive tokens: the same bits as every token
-    in a group of its own."""
+    """Decode tokens about one manual in groups of up to ``bf16_unit_rows()`` query rows (96
+    on the tile unit, else 48) whose shared keys are read once, and prompt tokens in groups of
+    consecutive tokens of even sizes, up to full units: the same bits as every token in a
+    group of its own."""
     _bf16_kernel()
     rng = random.Random(SEED)
     bs, d = 16, 64
-    specs = [(1090, 1, True, False)] + [(1000 + 13 * i, 1, True, True) for i in range(12)]
-    specs += [(1130, 40, False, True), (40, 1, True, False)]
+    per = cpu_kernels.bf16_unit_rows() // 3
+    assert per == (32 if cpu_kernels.decode_attention_library().amx else 16)
+    specs = [(1090, 1, True, False)] + [(1000 + 13 * i, 1, True, True) for i in range(per + 2)]
+    specs += [(1130, 40, False, True), (40, 1, True, False), (2 * per + 5, 2 * per, False, False)]
     k_cache, v_cache, tables, meta = _step(rng, bs, 3, d, torch.bfloat16, specs)
     n = sum(s[1] for s in specs)
     q = torch.randn(n, 9, d, generator=torch.Generator().manual_seed(SEED)).bfloat16()
     backend = CPUBackend()
     rows, bt, ctx, starts, shared = backend.plan(meta, "cpu", bs, 3, bf16=True)
     sizes = (starts[1:] - starts[:-1]).tolist()
-    assert max(sizes) == 16 and sum(sizes) == n  # 48 rows // 3 rows per token
+    assert max(sizes) == per and sum(sizes) == n
+    # the 40-token chunk in even groups; the 2 * per-token one in two full units
+    assert sizes.count(per) >= 2 and 40 // -(-40 // per) in sizes
     assert max(shared.tolist()) >= 960
     grouped = cpu_kernels.attention_bf16(
         q, rows, k_cache, v_cache, bt, ctx, 0.125, starts, shared, torch.empty_like(q)
