@@ -397,7 +397,32 @@ def elementwise_library() -> ctypes.CDLL | None:
         fn.argtypes, fn.restype = [p, i64, i, i, p, i64, i], i
         fn = getattr(lib, f"docqa_rotary_store_{suffix}")
         fn.argtypes, fn.restype = [p, i64, i, i, i, i, p, p, p, p, p, p, i], i
+    lib.docqa_argmax_f32.argtypes, lib.docqa_argmax_f32.restype = [p, i, i, i64, p, i], i
     return lib
+
+
+def argmax_rows(x: torch.Tensor) -> list[int]:
+    """Each row's ``torch.argmax`` (the first of equal maxima, the first NaN where a row has
+    one) for float32 logits on the CPU, through elementwise.c where it builds: a decode step's
+    greedy tokens (16 rows of 49,152 logits: about 0.1 ms there against 0.5-0.9 in torch)."""
+    lib = elementwise_library()
+    if (
+        lib is None
+        or x.dtype != torch.float32
+        or x.device.type != "cpu"
+        or x.dim() != 2
+        or x.shape[1] == 0
+        or x.stride(1) != 1
+    ):
+        return torch.argmax(x, dim=-1).tolist()
+    m, n = x.shape
+    out = torch.empty(m, dtype=torch.int64)
+    rc = lib.docqa_argmax_f32(
+        x.data_ptr(), m, n, x.stride(0) if m > 1 else n, out.data_ptr(), torch.get_num_threads()
+    )
+    if rc != 0:
+        raise ValueError(f"argmax kernel: bad sizes {tuple(x.shape)}")
+    return out.tolist()
 
 
 _ELEMENTWISE_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}

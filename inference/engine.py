@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from inference import cpu_kernels
 from inference.attention import AttentionMetadata, make_backend, resolve_backend
 from inference.config import ModelConfig, dtype_name, parse_dtype
 from inference.errors import DocqaError, ModelError, PromptTooLongError
@@ -76,7 +77,6 @@ def cpu_bf16_matmul_is_faster() -> bool:
     dtype, and with it the same prefix-cache fingerprint."""
     if not cpu_has_native_bf16():
         return False
-    from inference import cpu_kernels
 
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(256, 576, generator=gen)
@@ -586,7 +586,7 @@ class LLMEngine:
         now = time.perf_counter()
         greedy = None  # every greedy row's token in one argmax
         if any(req.params.greedy for req in sampling):
-            greedy = torch.argmax(logits, dim=-1).tolist()
+            greedy = cpu_kernels.argmax_rows(logits)
         for row, req in enumerate(sampling):
             if req.keep_logits:
                 req.logits.append(logits[row].clone())

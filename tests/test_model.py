@@ -456,3 +456,30 @@ def test_fused_elementwise_steps_in_float32_match_torch_and_keep_rows_apart():
         one, heads, kvh, positions[5:6], rot.cos, rot.sin, torch.tensor([-1]), k_cache, v_cache
     )
     assert torch.equal(one, got[5:6])
+
+
+@pytest.mark.skipif(
+    cpu_kernels.elementwise_library() is None, reason="the element-wise kernels do not build here"
+)
+def test_argmax_rows_gives_torch_argmax():
+    """The engine's greedy tokens (``cpu_kernels.argmax_rows``, elementwise.c) are
+    ``torch.argmax``'s for every row: the first of tied maxima (0.0 and -0.0 tied), the first
+    NaN in a row that holds one, index 0 in a row of -inf, ties and NaNs in the vector part and
+    in the tail past the last 16 values, strided rows, and row counts from 0 to 33."""
+    gen = torch.Generator().manual_seed(11)
+    for n in (1, 5, 16, 17, 31, 32, 100, 49152):
+        for m in (0, 1, 2, 7, 33):
+            wide = torch.randn(m, n + 7, generator=gen)
+            x = wide[:, 3 : 3 + n]  # rows strided
+            if m and n > 1:
+                x[0, n // 3] = x[0, n - 1] = 1e4  # a tie: the first wins
+                x[1 % m, :] = float("-inf")
+                x[m - 1, n - 1] = float("nan")  # a NaN in the tail
+                if m > 2:
+                    x[2, n // 2] = float("nan")  # two NaNs: the first wins
+                    x[2, n - 1] = float("nan")
+                if m > 3:
+                    x[3, :] = -1.0
+                    x[3, n // 2] = -0.0
+                    x[3, n - 1] = 0.0  # -0.0 and 0.0 tie: the first wins
+            assert cpu_kernels.argmax_rows(x) == torch.argmax(x, dim=-1).tolist(), (m, n)

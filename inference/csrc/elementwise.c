@@ -17,6 +17,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 static inline float bf2f(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -240,5 +243,49 @@ int docqa_rotary_store_f32(float *qkv, int64_t ldq, int n, int num_heads, int nu
             memcpy(v_cache + slots[t] * kv_row, row + (int64_t)rot * dim, kv_row * 4);
         }
     }
+    return 0;
+}
+
+/* Greedy sampling: for each of m rows of n float32 logits (row r at x + r * ldx), the index of
+ * its largest value into out[r], the first of equal ones (-0.0 equal to 0.0), or the first NaN
+ * where a row has one: torch.argmax's answer. Two passes over a row, 16 lanes wide: its
+ * maximum (and whether it holds a NaN), then the first index holding it. */
+static int64_t row_argmax(const float *p, int n) {
+    int j = 0, nan = 0;
+    float best = -INFINITY;
+#ifdef __AVX512F__
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    __mmask16 unordered = 0;
+    for (; j + 16 <= n; j += 16) {
+        const __m512 v = _mm512_loadu_ps(p + j);
+        mx = _mm512_max_ps(v, mx); /* v > mx ? v : mx */
+        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    best = _mm512_reduce_max_ps(mx);
+    nan = unordered != 0;
+#endif
+    for (; j < n; j++) {
+        best = p[j] > best ? p[j] : best;
+        nan |= p[j] != p[j];
+    }
+    j = 0;
+#ifdef __AVX512F__
+    const __m512 b = _mm512_set1_ps(best);
+    for (; j + 16 <= n; j += 16) {
+        const __m512 v = _mm512_loadu_ps(p + j);
+        const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
+                                  : _mm512_cmp_ps_mask(v, b, _CMP_EQ_OQ);
+        if (hit) return j + __builtin_ctz(hit);
+    }
+#endif
+    for (; j < n; j++)
+        if (nan ? p[j] != p[j] : p[j] == best) break;
+    return j;
+}
+
+int docqa_argmax_f32(const float *x, int m, int n, int64_t ldx, int64_t *out, int num_threads) {
+    if (m < 0 || n <= 0 || ldx < n) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (m > 1)
+    for (int r = 0; r < m; r++) out[r] = row_argmax(x + (int64_t)r * ldx, n);
     return 0;
 }
