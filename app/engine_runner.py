@@ -92,6 +92,12 @@ class RequestHandle:
             self.final.set_result(result)
 
 
+def _push_all(batch: list[tuple[RequestHandle, list[int]]]) -> None:
+    """On the event loop: one step's new tokens to each of its requests."""
+    for handle, ids in batch:
+        handle._push(ids)
+
+
 class EngineRunner:
     """Loads the model in its own thread (``state``: loading -> ready | failed), then runs the
     step loop there until ``stop``."""
@@ -196,8 +202,12 @@ class EngineRunner:
             self._cv.notify()
 
     def _publish(self, finished: list[Request]) -> None:
+        """Hands each request's new tokens to its caller: one call into each event loop per
+        step for all its requests (a wake-up of the loop, and a write to its self-pipe, per
+        step rather than per request)."""
         now = time.perf_counter()
         obs = self.observer
+        pushes: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, list[int]]]] = {}
         for req, handle in list(self._active.values()):
             n = len(req.output_token_ids)
             if n > handle._sent:
@@ -208,7 +218,9 @@ class EngineRunner:
                         obs.observe_inter_token(gap)
                 handle._last_token_at = now
                 handle._sent = n
-                handle.loop.call_soon_threadsafe(handle._push, new)
+                pushes.setdefault(handle.loop, []).append((handle, new))
+        for loop, batch in pushes.items():
+            loop.call_soon_threadsafe(_push_all, batch)
         for req in finished:
             self._complete(req, req.finish_reason or "stop")
 
