@@ -48,21 +48,29 @@ class Job:
 
 
 class IncrementalDecoder:
-    """Text deltas of a growing list of token ids; holds back an incomplete UTF-8 sequence."""
+    """Text deltas of a growing list of token ids; holds back an incomplete UTF-8 sequence.
+
+    Each push decodes a window of the ids, not all of them: the text of ``ids[start:read]``
+    has been given out already, ``ids[start:]`` is decoded, and what follows that text is the
+    delta; the window then moves to the ids just given out. Both texts are decoded from the
+    same first id, so a decoder that treats a sequence's start apart (a leading space) does it
+    to both alike, and a window starts where a delta ended, on a whole character. A step costs
+    the same at the thousandth token of an answer as at the first."""
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
         self.ids: list[int] = []
-        self.text = ""
+        self.start = 0  # the window's first id
+        self.read = 0  # ids whose text has been given out
 
     def push(self, ids: Sequence[int]) -> str:
         self.ids.extend(ids)
-        text = self.tok.decode(self.ids)
-        if text.endswith("\ufffd"):
+        before = self.tok.decode(self.ids[self.start : self.read])
+        text = self.tok.decode(self.ids[self.start :])
+        if text.endswith("\ufffd") or len(text) <= len(before) or not text.startswith(before):
             return ""
-        delta = text[len(self.text) :] if text.startswith(self.text) else ""
-        self.text = text
-        return delta
+        self.start, self.read = self.read, len(self.ids)
+        return text[len(before) :]
 
 
 def sse(event: str | None, data) -> bytes:

@@ -35,3 +35,23 @@ def test_merges_agree_with_transformers_on_digit_free_text(default_model_dir, to
         "with --keep.\n\nNew paragraph:   spaces   and\ttabs."
     )
     assert tokenizer.encode(text) == ref.encode(text, add_special_tokens=False)
+
+
+def test_incremental_decoder_gives_the_whole_text_in_deltas(tokenizer):
+    """Streamed deltas, token by token or a few tokens at a time, add up to the whole decode,
+    multi-byte characters held back until complete, and each push decodes a short window."""
+    from app.qa import IncrementalDecoder
+
+    text = "Grüße, naïve café — 東京 🚀🚀 done.\n\n  indented\tTab " * 40
+    ids = tokenizer.encode(text)
+    for chunk in (1, 3, 7):
+        dec = IncrementalDecoder(tokenizer)
+        deltas = [dec.push(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+        assert "".join(deltas) == tokenizer.decode(ids) == text
+        assert not any("\ufffd" in d for d in deltas)
+        assert chunk > 1 or "" in deltas  # a character split over tokens was held back
+        assert len(dec.ids) - dec.start <= 4 * chunk + 8  # the window, not the answer
+    dec = IncrementalDecoder(tokenizer)
+    eos = tokenizer.eos_token_id
+    assert dec.push(tokenizer.encode("Hi")) == "Hi" and dec.push([eos]) == ""  # skipped
+    assert dec.push(tokenizer.encode(" there")) == " there"
