@@ -20,10 +20,10 @@
  * sums keep the unit busy while each waits on its last product, and every weight tile loaded
  * serves the pass's row tiles; after a group's first pair its weights come from the caches, so
  * the weight streams from memory once a call. Measured on a 2-core Xeon with AMX (about 25 GB/s
- * from memory), the 30 layers and the output of SmolLM2 from Python: 1 row 11-12 ms (the
- * weight's 270 MB from memory), 32 rows 12.5, 48 rows 14.5, 64 rows 16.4, 128 rows 24; one
- * feature tile against up to five row tiles at a time, before, took 12.4, 15.9-16.8, 18.8-19.9,
- * 22 and 38 ms in runs beside these.
+ * from memory), the 30 layers and the output of SmolLM2 from Python, two interleaved runs: 1 row
+ * 12.1-12.8 ms (the weight's 270 MB from memory), 32 rows 14.1-14.8, 48 rows 16.0-16.9, 128
+ * rows 27.0, 512 rows 94-98; one feature tile against up to five row tiles at a time took
+ * 13.9-14.4, 17.4-17.7, 20.9-21.4, 37.2-39.6 and 117-122 ms.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -65,12 +65,20 @@ typedef struct {
     int rows;
 } RowTile;
 
+/* Row tile r of a call: 16 rows of x in place, or the zero-padded copy of its last rows. */
+static inline RowTile row_tile(const uint16_t *x, int64_t ldx, int full, const uint16_t *tail,
+                               int k, int rest, int r) {
+    return r < full ? (RowTile){x + (int64_t)r * 16 * ldx, ldx * 2, 16}
+                    : (RowTile){tail, (int64_t)k * 2, rest};
+}
+
 /* Row tiles t[0 .. rn) (rn 1 or 2) against feature tiles nb0 .. nb0 + fc of the packed
  * weight w (fc up to 3 for one row tile, up to 2 for two), every sum over the k-blocks in
- * order from zero. Sums of row tile r and feature tile f live in tile register fc_max * r + f
- * (0-3); with one row tile its rows load into 3 and 7 by turns and the weights into 4, 5, 6;
- * with two, rows into 4, 5 and weights into 6, 7. Three or four independent sums hide the
- * product's latency, and each weight tile loaded serves every row tile of the pass. */
+ * order from zero. With one row tile, the sums of feature tile f live in tile register f,
+ * its rows load into 3 and 7 by turns and the weights into 4, 5, 6; with two, the sums of row
+ * tile r and feature tile f in 2 r + f, rows into 4, 5 and weights into 6, 7. Three or four
+ * independent sums hide the product's latency, and each weight tile loaded serves every row
+ * tile of the pass. */
 static inline __attribute__((always_inline)) void rows_pass(
     const RowTile *t, int rn, const uint16_t *w, int64_t wstep, int kb_n, int nb0, int fc,
     const float *bias, uint16_t *y, int64_t ldy, int n, float *c, float *bias_buf) {
@@ -152,14 +160,6 @@ int docqa_linear_bf16_amx(const uint16_t *x, int m, int64_t ldx, const uint16_t 
             memcpy(tail + (int64_t)r * k, x + (int64_t)(full * 16 + r) * ldx, (size_t)k * 2);
     }
     const int blocks = full + (rest ? 1 : 0); /* row tiles */
-    RowTile *tiles = (RowTile *)malloc(sizeof(RowTile) * blocks);
-    if (!tiles) {
-        free(tail);
-        return -1;
-    }
-    for (int r = 0; r < blocks; r++)
-        tiles[r] = r < full ? (RowTile){x + (int64_t)r * 16 * ldx, ldx * 2, 16}
-                            : (RowTile){tail, (int64_t)k * 2, rest};
     /* feature tiles a group: three against one row tile, else two, every pair of row tiles
      * in turn (after the first pair, the group's weights come from the caches) */
     const int per = blocks == 1 ? 3 : 2;
@@ -177,13 +177,14 @@ int docqa_linear_bf16_amx(const uint16_t *x, int m, int64_t ldx, const uint16_t 
             const uint16_t *w = packed + (int64_t)nb0 * wstep;
             for (int r = 0; r < blocks; r += 2) {
                 const int rn = blocks - r < 2 ? blocks - r : 2;
-                rows_pass(tiles + r, rn, w, wstep, kb_n, nb0, fc, bias,
-                          y + (int64_t)r * 16 * ldy, ldy, n, c, bias_buf);
+                const RowTile t[2] = {row_tile(x, ldx, full, tail, k, rest, r),
+                                      row_tile(x, ldx, full, tail, k, rest, r + 1)};
+                rows_pass(t, rn, w, wstep, kb_n, nb0, fc, bias, y + (int64_t)r * 16 * ldy, ldy,
+                          n, c, bias_buf);
             }
         }
         _tile_release();
     }
-    free(tiles);
     free(tail);
     return 0;
 }
