@@ -50,6 +50,7 @@ from svc_helpers import metrics  # noqa: E402
 
 from bench.sse_clients import run_clients  # noqa: E402
 from bench.ttft import manual_text  # noqa: E402
+from inference import cpu_kernels  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 WORDS = [
@@ -83,18 +84,6 @@ WORDS = [
 LLAMA_CPP_ZEN5_DECODE_TOK_S = 94  # llama.cpp's llama-server, same model, AMD Zen 5, 2 threads
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return set()
-
-
 def cpu_model() -> str:
     """The CPU's model name with its family and model numbers (one model name, "AMD EPYC",
     covers several generations), and whether it has AVX-512 and AMX."""
@@ -104,7 +93,7 @@ def cpu_model() -> str:
             for line in f:
                 key, _, value = line.partition(":")
                 key = key.strip()
-                if key in ("model name", "cpu family", "model", "flags") and key not in fields:
+                if key in ("model name", "cpu family", "model") and key not in fields:
                     fields[key] = value.strip()
     except OSError:
         pass
@@ -112,7 +101,7 @@ def cpu_model() -> str:
         return platform.processor() or platform.machine()
     name = fields["model name"]
     if "cpu family" in fields and "model" in fields:
-        flags = set(fields.get("flags", "").split())
+        flags = cpu_kernels.cpu_flags()
         vec = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
         if "amx_bf16" in flags:
             vec += ", AMX"

@@ -48,7 +48,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from svc_helpers import stop_process  # noqa: E402
 
-from bench.load import cpu_flags, cpu_model, pct  # noqa: E402
+from bench.load import cpu_model, pct  # noqa: E402
+from inference import cpu_kernels  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 PEERS_VENV = ROOT / "bench" / ".venv-peers"
@@ -217,7 +218,7 @@ class LlamaServer(System):
             subprocess.run([sys.executable, "-m", "venv", str(PEERS_VENV)], check=True)
             pip = PEERS_VENV / "bin" / "pip"
             env = dict(os.environ)
-            if "amx_tile" in cpu_flags():
+            if "amx_tile" in cpu_kernels.cpu_flags():
                 # its native build takes llama.cpp's AMX kernels, which use the tile unit on
                 # threads that have no tile state here (a 2-core Xeon: "invalid opcode" on
                 # tilezero at its first product): the same AVX-512 build without them

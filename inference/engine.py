@@ -51,15 +51,7 @@ def default_device() -> torch.device:
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX-BF16: bf16 matrix products run natively (else oneDNN emulates them,
     several times slower than float32)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool({"avx512_bf16", "amx_bf16"} & flags)
-    except OSError:
-        pass
-    return False
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_kernels.cpu_flags())
 
 
 @functools.cache
@@ -84,15 +76,16 @@ def cpu_bf16_matmul_is_faster() -> bool:
     # the products the model would run (inference/layers.py, Linear): linear.c in float32
     # against linear_amx.c where the tile unit is ours, else linear.c's bf16 panels; torch's
     # where those do not build
-    if cpu_kernels.linear_f32_panel() and cpu_kernels.linear_bf16_amx_available():
-        p32 = cpu_kernels.pack_linear_f32(w)
-        p16 = cpu_kernels.pack_linear_bf16_amx(w.bfloat16())
-        f32 = functools.partial(cpu_kernels.linear_f32, a, p32, 1536)
-        f16 = functools.partial(cpu_kernels.linear_bf16_amx, a.bfloat16(), p16, 1536)
-    elif cpu_kernels.linear_f32_panel() and cpu_kernels.linear_bf16_panel():
-        p32, p16 = cpu_kernels.pack_linear_f32(w), cpu_kernels.pack_linear_bf16(w.bfloat16())
-        f32 = functools.partial(cpu_kernels.linear_f32, a, p32, 1536)
-        f16 = functools.partial(cpu_kernels.linear_bf16, a.bfloat16(), p16, 1536)
+    panels = cpu_kernels.linear_f32_panel()
+    amx = panels and cpu_kernels.linear_bf16_amx_available()
+    if panels and (amx or cpu_kernels.linear_bf16_panel()):
+        f32 = functools.partial(cpu_kernels.linear_f32, a, cpu_kernels.pack_linear_f32(w), 1536)
+        if amx:
+            p16 = cpu_kernels.pack_linear_bf16_amx(w.bfloat16())
+            f16 = functools.partial(cpu_kernels.linear_bf16_amx, a.bfloat16(), p16, 1536)
+        else:
+            p16 = cpu_kernels.pack_linear_bf16(w.bfloat16())
+            f16 = functools.partial(cpu_kernels.linear_bf16, a.bfloat16(), p16, 1536)
     else:
         f32 = functools.partial(torch.mm, a, w.T)
         f16 = functools.partial(torch.mm, a.bfloat16(), w.bfloat16().T)

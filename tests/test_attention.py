@@ -111,14 +111,6 @@ def _bf16_kernel():
         pytest.skip("this CPU has no AVX512-BF16 (the bf16 kernel is not built for it)")
 
 
-def _cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return set()
-
-
 def test_bf16_products_take_the_tile_unit_where_the_cpu_has_one():
     """On a CPU with AMX-BF16 the bf16 attention kernel and linear layers run on the tile
     unit (so the bf16 kernel tests here check that path, and ``auto`` picks bf16); on one with
@@ -128,7 +120,7 @@ def test_bf16_products_take_the_tile_unit_where_the_cpu_has_one():
         pytest.skip("CPU kernels turned off")
     from inference.layers import Linear
 
-    flags = _cpu_flags()
+    flags = cpu_kernels.cpu_flags()
     bf16 = "avx512_bf16" in flags and "avx512bw" in flags
     amx = "amx_bf16" in flags and bf16
     assert cpu_kernels.decode_attention_library().amx is amx
