@@ -31,6 +31,21 @@ def _attention(backend: str, q, k_cache, v_cache, meta, scale):
     return CPUBackend().attention(q, k_cache, v_cache, meta, scale)
 
 
+def _as_close_as_the_reference(q, k_cache, v_cache, meta, scale, ref):
+    """The kernel's bf16 result against the torch reference's, both measured from dense float64
+    attention. Both round their result to bf16, so the worst element's error is mostly where
+    that one value fell between two bf16 neighbours: it gets a loose bound (2x). The mean error
+    over every element is what the arithmetic decides, and it is steady from seed to seed
+    (0.96x the reference's over 78 seeds and shapes): it gets the tight bound (1.1x)."""
+    errs = {
+        b: (_attention(b, q, k_cache, v_cache, meta, scale).double() - ref).abs() for b in BACKENDS
+    }
+    mean = {b: e.mean().item() for b, e in errs.items()}
+    worst = {b: e.max().item() for b, e in errs.items()}
+    assert mean["cpu"] <= 1.1 * mean["torch"], f"mean error {mean} (seed {SEED})"
+    assert worst["cpu"] <= 2 * worst["torch"] + 1e-6, f"max error {worst} (seed {SEED})"
+
+
 def _step(rng: random.Random, bs: int, kvh: int, d: int, dtype, specs):
     """A pool holding every sequence's context; ``specs``: (context length, new tokens,
     decode?, shares the first sequence's leading blocks?)."""
@@ -142,20 +157,15 @@ def test_bf16_products_take_the_tile_unit_where_the_cpu_has_one():
 @pytest.mark.parametrize("d", [64, 128])
 def test_bf16_kernel_is_about_as_close_as_the_reference(bs, heads, kvh, d):
     """Prompt and decode tokens through ``attention_bf16`` (bf16 products, float32 sums, the
-    softmax weights rounded to bf16 as the reference's bf16 product does): within 1.5x the
-    torch reference's distance from dense float64 attention, both rounding their result to
-    bf16."""
+    softmax weights rounded to bf16 as the reference's bf16 product does): as close to dense
+    float64 attention as the torch reference, both rounding their result to bf16."""
     _bf16_kernel()
     rng = random.Random(SEED + bs + heads + d)
     k_cache, v_cache, tables, meta = _step(rng, bs, kvh, d, torch.bfloat16, SPECS)
     n = sum(s[1] for s in SPECS)
     q = torch.randn(n, heads, d, generator=torch.Generator().manual_seed(SEED)).bfloat16()
     ref = _dense(q, k_cache, v_cache, tables, SPECS, d**-0.5)
-    errs = {
-        b: (_attention(b, q, k_cache, v_cache, meta, d**-0.5).double() - ref).abs().max().item()
-        for b in BACKENDS
-    }
-    assert errs["cpu"] <= 1.5 * errs["torch"] + 1e-6, f"{errs} (seed {SEED})"
+    _as_close_as_the_reference(q, k_cache, v_cache, meta, d**-0.5, ref)
 
 
 def test_bf16_kernel_exponential_is_accurate():
@@ -282,18 +292,14 @@ def test_bf16_kernel_rejects_groups_outside_its_limits():
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_decode_kernel_in_bf16_is_as_close_as_the_reference(d):
-    """bf16 inputs, float32 arithmetic: the kernel's decode rows are no further from dense
-    float64 attention than the torch reference's (both round the result to bf16)."""
+    """bf16 inputs, float32 arithmetic: the kernel's decode rows are as close to dense float64
+    attention as the torch reference's (both round the result to bf16)."""
     rng = random.Random(SEED + d)
     specs = [(1090, 1, True, False), (1101, 1, True, True), (37, 1, True, False)]
     k_cache, v_cache, tables, meta = _step(rng, 16, 3, d, torch.bfloat16, specs)
     q = torch.randn(3, 9, d, generator=torch.Generator().manual_seed(SEED)).bfloat16()
     ref = _dense(q, k_cache, v_cache, tables, specs, d**-0.5)
-    errs = {
-        b: (_attention(b, q, k_cache, v_cache, meta, d**-0.5).double() - ref).abs().max().item()
-        for b in BACKENDS
-    }
-    assert errs["cpu"] <= 1.5 * errs["torch"] + 1e-6, f"{errs} (seed {SEED})"
+    _as_close_as_the_reference(q, k_cache, v_cache, meta, d**-0.5, ref)
 
 
 def _run(q, k_cache, v_cache, tables, specs, bs, rows, backend="torch"):
