@@ -65,7 +65,7 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def _cpu_id() -> str:
+def cpu_id() -> str:
     """What -march=native depends on: the CPU's model name and flags."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -83,7 +83,7 @@ def build(src: Path) -> Path:
         raise KernelBuildError("no C compiler (set CC, or install gcc)")
     h = hashlib.sha256()
     headers = [p.read_bytes() for p in sorted(src.parent.glob("*.h"))]  # what sources include
-    for part in (src.read_bytes(), *headers, " ".join(CFLAGS).encode(), _cpu_id().encode()):
+    for part in (src.read_bytes(), *headers, " ".join(CFLAGS).encode(), cpu_id().encode()):
         h.update(part)
     h.update(cc.encode())
     out_dir = docqa_home() / "kernels"

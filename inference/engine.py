@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import hashlib
+import json
 import logging
 import os
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -27,6 +30,7 @@ from inference.errors import DocqaError, ModelError, PromptTooLongError
 from inference.kv_sizing import KVCacheSpec, size_kv_cache
 from inference.metrics import PrefillCostModel, RequestMetrics
 from inference.model import LlamaModel, model_fingerprint
+from inference.model_import import docqa_home
 from inference.sampling import SamplingParams, sample
 from inference.scheduler import Scheduler, SchedulerConfig
 from inference.sequence import Request
@@ -54,28 +58,35 @@ def cpu_has_native_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_kernels.cpu_flags())
 
 
-@functools.cache
-def cpu_bf16_matmul_is_faster() -> bool:
-    """Whether bf16 matrix products beat float32 ones on this CPU, measured once per process
-    (a few tens of ms): native bf16 support alone does not decide it. With oneDNN's products,
-    measured: a Zen 5 core runs bf16 about 4x faster than float32; an AVX512-BF16 Xeon without
-    AMX about 1.8x slower; a CPU that emulates bf16 about 3x slower. Where linear.c builds in
-    both dtypes (AVX512-BF16), the kernels the model runs are compared instead: linear.c's
-    float32 panels against linear_amx.c on a CPU with AMX (a Xeon core: bf16 7-8x faster,
-    where linear.c's bf16 panels are 1.1x slower than its float32 ones), else against
-    linear.c's bf16 panels (a Zen 4 core: bf16 2.5x faster). The products run on one thread
-    and are timed in that thread's CPU time, so other processes busy on the machine (replicas
-    starting together) cannot change the answer: every process on one machine picks the same
-    dtype, and with it the same prefix-cache fingerprint."""
-    if not cpu_has_native_bf16():
-        return False
+# the version of the measurement below: a record written by another version is measured anew
+_DTYPE_PROBE_VERSION = 2
 
+
+def _dtype_record_path() -> Path:
+    """Where this machine's answer to ``cpu_bf16_matmul_is_faster`` is kept: under
+    ``$DOCQA_HOME/kernels``, keyed like the kernels (the CPU, the sources of the products it
+    weighs) and by torch's version and the measurement's."""
+    h = hashlib.sha256()
+    for part in (
+        cpu_kernels.cpu_id(),
+        torch.__version__,
+        str(_DTYPE_PROBE_VERSION),
+        cpu_kernels.LINEAR_SOURCE.read_bytes().decode(errors="replace"),
+        cpu_kernels.AMX_SOURCE.read_bytes().decode(errors="replace"),
+    ):
+        h.update(part.encode())
+    return docqa_home() / "kernels" / f"auto-dtype-{h.hexdigest()[:16]}.json"
+
+
+def _measure_bf16_against_float32() -> float:
+    """bf16 time over float32 time for the products the model would run (inference/layers.py,
+    Linear): linear.c in float32 against linear_amx.c where the tile unit is ours, else
+    linear.c's bf16 panels; torch's where those do not build. The two run in turn, seven times
+    each after a warm-up, on one thread timed in its CPU time (other busy processes cannot
+    change it); the median of the seven ratios."""
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(256, 576, generator=gen)
     w = torch.randn(1536, 576, generator=gen)
-    # the products the model would run (inference/layers.py, Linear): linear.c in float32
-    # against linear_amx.c where the tile unit is ours, else linear.c's bf16 panels; torch's
-    # where those do not build
     panels = cpu_kernels.linear_f32_panel()
     amx = panels and cpu_kernels.linear_bf16_amx_available()
     if panels and (amx or cpu_kernels.linear_bf16_panel()):
@@ -90,23 +101,75 @@ def cpu_bf16_matmul_is_faster() -> bool:
         f32 = functools.partial(torch.mm, a, w.T)
         f16 = functools.partial(torch.mm, a.bfloat16(), w.bfloat16().T)
 
-    def best(product) -> float:
-        times = []
-        for _ in range(5):
-            t = time.thread_time()
-            product()
-            times.append(time.thread_time() - t)
-        return min(times[1:])
+    def timed(product) -> float:
+        t = time.thread_time()
+        product()
+        return max(time.thread_time() - t, 1e-9)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with torch.inference_mode():
-            t32 = best(f32)
-            t16 = best(f16)
+            timed(f32), timed(f16)
+            ratios = sorted(timed(f16) / timed(f32) for _ in range(7))
     finally:
         torch.set_num_threads(threads)
-    return t16 < t32
+    return ratios[len(ratios) // 2]
+
+
+@functools.cache
+def cpu_bf16_matmul_is_faster() -> bool:
+    """Whether bf16 matrix products beat float32 ones on this CPU: native bf16 support alone
+    does not decide it. With oneDNN's products, measured: a Zen 5 core runs bf16 about 4x
+    faster than float32; an AVX512-BF16 Xeon without AMX about 1.8x slower; a CPU that emulates
+    bf16 about 3x slower. Where linear.c builds in both dtypes (AVX512-BF16), the kernels the
+    model runs are compared instead (``_measure_bf16_against_float32``): linear.c's float32
+    panels against linear_amx.c on a CPU with AMX (a Xeon core: bf16 7-8x faster), else against
+    linear.c's bf16 panels (a Zen 4 core: bf16 2.5x faster; a Xeon whose AMX is hidden from its
+    virtual machine: 0.8-1.3x from one measurement to the next).
+
+    Measured once per machine: the first process writes the answer beside the kernels
+    (``_dtype_record_path``) and every later one reads it, so replicas sharing ``DOCQA_HOME``
+    (compose's volume, one test run) run one dtype, and with it one prefix-cache fingerprint,
+    even where the two dtypes are that close. Where two start together, the first record
+    written wins for both. Delete the record to measure again."""
+    if not cpu_has_native_bf16():
+        return False
+    path = _dtype_record_path()
+    try:
+        return bool(json.loads(path.read_text())["bf16_faster"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    ratio = _measure_bf16_against_float32()
+    record = {"bf16_faster": ratio < 1.0, "bf16_over_float32_time": round(ratio, 3)}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".auto-dtype-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(record, f)
+            try:
+                os.link(tmp, path)  # only where no other process wrote first
+            except FileExistsError:
+                pass
+            except OSError:  # a file system without hard links
+                os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        kept = json.loads(path.read_text())
+        if kept.get("bf16_faster") != record["bf16_faster"]:
+            log.info("dtype: another process measured first (%s); following it", kept)
+        record = kept
+    except (OSError, ValueError) as e:
+        log.warning("dtype: could not keep the measurement in %s (%s)", path, e)
+    log.info(
+        "dtype: bf16 products take %.2fx the float32 time here; auto is %s (kept in %s)",
+        record.get("bf16_over_float32_time", ratio),
+        "bfloat16" if record["bf16_faster"] else "float32",
+        path,
+    )
+    return bool(record["bf16_faster"])
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

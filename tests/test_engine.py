@@ -1,5 +1,7 @@
 """Engine behaviour on a tiny random model: prefix reuse, numerics, counters, sizing, errors."""
 
+import json
+
 import pytest
 import torch
 
@@ -218,3 +220,44 @@ def test_a_copy_that_would_not_fit_the_pool_is_computed_instead(tiny_model_dir):
         eng.step()
     assert req.finished and req.num_cached_tokens == (nb - 1) * 16
     eng.kv_manager.check_integrity()
+
+
+def test_auto_dtype_is_measured_once_per_machine(tmp_path, monkeypatch):
+    """``auto`` on a CPU follows the first measurement kept beside the kernels: a later process
+    reads it instead of measuring again, and where another process wrote its record first (two
+    replicas starting together), both follow that one."""
+    from inference import engine
+
+    path = tmp_path / "kernels" / "auto-dtype.json"
+    monkeypatch.setattr(engine, "_dtype_record_path", lambda: path)
+    engine.cpu_bf16_matmul_is_faster.cache_clear()
+    try:
+        first = engine.cpu_bf16_matmul_is_faster()
+        if not engine.cpu_has_native_bf16():
+            assert first is False and not path.exists()  # nothing to measure
+            return
+        record = json.loads(path.read_text())
+        assert record["bf16_faster"] is first
+        assert (record["bf16_over_float32_time"] < 1.0) is first
+        # a later process: the record decides, whatever a new measurement would say
+        path.write_text(json.dumps({"bf16_faster": not first}))
+        engine.cpu_bf16_matmul_is_faster.cache_clear()
+        want = torch.float32 if first else torch.bfloat16
+        assert engine.resolve_dtype("auto", torch.device("cpu")) == want
+
+        # a process that measured while another wrote its record first follows that record
+        path.unlink()
+        measure = engine._measure_bf16_against_float32
+
+        def raced() -> float:
+            ratio = measure()
+            path.write_text(json.dumps({"bf16_faster": ratio >= 1.0}))  # the other answer
+            return ratio
+
+        monkeypatch.setattr(engine, "_measure_bf16_against_float32", raced)
+        engine.cpu_bf16_matmul_is_faster.cache_clear()
+        other = engine.cpu_bf16_matmul_is_faster()
+        assert other is json.loads(path.read_text())["bf16_faster"]
+        assert not list(path.parent.glob(".auto-dtype-*"))  # no temporary file left
+    finally:
+        engine.cpu_bf16_matmul_is_faster.cache_clear()
