@@ -125,8 +125,9 @@ def cpu_bf16_matmul_is_faster() -> bool:
     bf16 about 3x slower. Where linear.c builds in both dtypes (AVX512-BF16), the kernels the
     model runs are compared instead (``_measure_bf16_against_float32``): linear.c's float32
     panels against linear_amx.c on a CPU with AMX (a Xeon core: bf16 7-8x faster), else against
-    linear.c's bf16 panels (a Zen 4 core: bf16 2.5x faster; a Xeon whose AMX is hidden from its
-    virtual machine: 0.8-1.3x from one measurement to the next).
+    linear.c's bf16 panels (a Zen 4 core: bf16 2.5x faster; a Xeon whose AMX its virtual
+    machine hides: bf16 1.2-1.3x slower, and 0.8-1.3x from one measurement to the next before
+    linear.c's float32 tiles were widened).
 
     Measured once per machine: the first process writes the answer beside the kernels
     (``_dtype_record_path``) and every later one reads it, so replicas sharing ``DOCQA_HOME``
