@@ -65,12 +65,19 @@ _DTYPE_PROBE_VERSION = 2
 def _dtype_record_path() -> Path:
     """Where this machine's answer to ``cpu_bf16_matmul_is_faster`` is kept: under
     ``$DOCQA_HOME/kernels``, keyed like the kernels (the CPU, the sources of the products it
-    weighs) and by torch's version and the measurement's."""
+    weighs, which of them are built here: DOCQA_CPU_KERNELS=0 weighs torch's) and by torch's
+    version and the measurement's."""
+    built = (
+        cpu_kernels.linear_f32_panel(),
+        cpu_kernels.linear_bf16_panel(),
+        cpu_kernels.linear_bf16_amx_available(),
+    )
     h = hashlib.sha256()
     for part in (
         cpu_kernels.cpu_id(),
         torch.__version__,
         str(_DTYPE_PROBE_VERSION),
+        repr(built),
         cpu_kernels.LINEAR_SOURCE.read_bytes().decode(errors="replace"),
         cpu_kernels.AMX_SOURCE.read_bytes().decode(errors="replace"),
     ):
