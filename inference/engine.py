@@ -145,7 +145,15 @@ def cpu_bf16_matmul_is_faster() -> bool:
         return False
     path = _dtype_record_path()
     try:
-        return bool(json.loads(path.read_text())["bf16_faster"])
+        kept = json.loads(path.read_text())
+        faster = bool(kept["bf16_faster"])
+        log.info(
+            "dtype: auto is %s, as measured before (bf16 products %sx the float32 time; %s)",
+            "bfloat16" if faster else "float32",
+            kept.get("bf16_over_float32_time", "?"),
+            path,
+        )
+        return faster
     except (OSError, ValueError, KeyError, TypeError):
         pass
     ratio = _measure_bf16_against_float32()
