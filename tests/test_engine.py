@@ -239,25 +239,32 @@ def test_auto_dtype_is_measured_once_per_machine(tmp_path, monkeypatch):
         record = json.loads(path.read_text())
         assert record["bf16_faster"] is first
         assert (record["bf16_over_float32_time"] < 1.0) is first
-        # a later process: the record decides, whatever a new measurement would say
+        # a later process reads the record without measuring, whatever it says
         path.write_text(json.dumps({"bf16_faster": not first}))
+        measure = engine._measure_bf16_against_float32
+
+        def not_again() -> float:
+            raise AssertionError("measured again although a record is kept")
+
+        monkeypatch.setattr(engine, "_measure_bf16_against_float32", not_again)
         engine.cpu_bf16_matmul_is_faster.cache_clear()
         want = torch.float32 if first else torch.bfloat16
         assert engine.resolve_dtype("auto", torch.device("cpu")) == want
 
         # a process that measured while another wrote its record first follows that record
         path.unlink()
-        measure = engine._measure_bf16_against_float32
+        theirs = []
 
         def raced() -> float:
             ratio = measure()
-            path.write_text(json.dumps({"bf16_faster": ratio >= 1.0}))  # the other answer
+            theirs.append(ratio >= 1.0)  # the other answer than this process's
+            path.write_text(json.dumps({"bf16_faster": theirs[0]}))
             return ratio
 
         monkeypatch.setattr(engine, "_measure_bf16_against_float32", raced)
         engine.cpu_bf16_matmul_is_faster.cache_clear()
-        other = engine.cpu_bf16_matmul_is_faster()
-        assert other is json.loads(path.read_text())["bf16_faster"]
+        assert engine.cpu_bf16_matmul_is_faster() is theirs[0]
+        assert json.loads(path.read_text())["bf16_faster"] is theirs[0]  # not overwritten
         assert not list(path.parent.glob(".auto-dtype-*"))  # no temporary file left
     finally:
         engine.cpu_bf16_matmul_is_faster.cache_clear()
