@@ -75,6 +75,14 @@ def cpu_id() -> str:
         return platform.processor()
 
 
+def machine_file(stem: str, *key: str) -> Path:
+    """Where a measurement of this machine is kept between processes: a JSON file under
+    ``$DOCQA_HOME/kernels`` (beside the builds), named by ``stem`` and a hash of torch's
+    version, the CPU (``cpu_id``) and whatever else the measurement depends on (``key``)."""
+    h = hashlib.sha256("|".join((torch.__version__, cpu_id(), *key)).encode()).hexdigest()
+    return docqa_home() / "kernels" / f"{stem}-{h[:16]}.json"
+
+
 def build(src: Path) -> Path:
     """The shared library of ``src`` for this CPU, built on first use (module docstring);
     raises KernelBuildError."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -30,7 +29,6 @@ from inference.errors import DocqaError, ModelError, PromptTooLongError
 from inference.kv_sizing import KVCacheSpec, size_kv_cache
 from inference.metrics import PrefillCostModel, RequestMetrics
 from inference.model import LlamaModel, model_fingerprint
-from inference.model_import import docqa_home
 from inference.sampling import SamplingParams, sample
 from inference.scheduler import Scheduler, SchedulerConfig
 from inference.sequence import Request
@@ -63,26 +61,21 @@ _DTYPE_PROBE_VERSION = 2
 
 
 def _dtype_record_path() -> Path:
-    """Where this machine's answer to ``cpu_bf16_matmul_is_faster`` is kept: under
-    ``$DOCQA_HOME/kernels``, keyed like the kernels (the CPU, the sources of the products it
-    weighs, which of them are built here: DOCQA_CPU_KERNELS=0 weighs torch's) and by torch's
-    version and the measurement's."""
+    """Where this machine's answer to ``cpu_bf16_matmul_is_faster`` is kept
+    (``cpu_kernels.machine_file``), keyed by the sources of the products it weighs, which of
+    them are built here (DOCQA_CPU_KERNELS=0 weighs torch's) and the measurement's version."""
     built = (
         cpu_kernels.linear_f32_panel(),
         cpu_kernels.linear_bf16_panel(),
         cpu_kernels.linear_bf16_amx_available(),
     )
-    h = hashlib.sha256()
-    for part in (
-        cpu_kernels.cpu_id(),
-        torch.__version__,
+    return cpu_kernels.machine_file(
+        "auto-dtype",
         str(_DTYPE_PROBE_VERSION),
         repr(built),
         cpu_kernels.LINEAR_SOURCE.read_bytes().decode(errors="replace"),
         cpu_kernels.AMX_SOURCE.read_bytes().decode(errors="replace"),
-    ):
-        h.update(part.encode())
-    return docqa_home() / "kernels" / f"auto-dtype-{h.hexdigest()[:16]}.json"
+    )
 
 
 def _measure_bf16_against_float32() -> float:
@@ -145,27 +138,36 @@ def cpu_bf16_matmul_is_faster() -> bool:
         return False
     path = _dtype_record_path()
     try:
-        kept = json.loads(path.read_text())
-        faster = bool(kept["bf16_faster"])
-        log.info(
-            "dtype: auto is %s, as measured before (bf16 products %sx the float32 time; %s)",
-            "bfloat16" if faster else "float32",
-            kept.get("bf16_over_float32_time", "?"),
-            path,
-        )
-        return faster
+        record, how = json.loads(path.read_text()), "as measured before"
+        if not isinstance(record["bf16_faster"], bool):
+            raise ValueError(record)
     except (OSError, ValueError, KeyError, TypeError):
-        pass
-    ratio = _measure_bf16_against_float32()
-    record = {"bf16_faster": ratio < 1.0, "bf16_over_float32_time": round(ratio, 3)}
+        ratio = _measure_bf16_against_float32()
+        mine = {"bf16_faster": ratio < 1.0, "bf16_over_float32_time": round(ratio, 3)}
+        record = _keep_first(path, mine)
+        how = "measured now" if record == mine else f"as another process measured ({mine} here)"
+    log.info(
+        "dtype: auto is %s, %s (bf16 products %sx the float32 time; %s)",
+        "bfloat16" if record["bf16_faster"] else "float32",
+        how,
+        record.get("bf16_over_float32_time", "?"),
+        path,
+    )
+    return bool(record["bf16_faster"])
+
+
+def _keep_first(path: Path, record: dict) -> dict:
+    """Writes ``record`` to ``path`` unless another process wrote there first (a temporary
+    file, then a hard link, which fails where the name exists); returns the record kept there,
+    or ``record`` itself where none can be kept."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".auto-dtype-", suffix=".json")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".json")
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump(record, f)
             try:
-                os.link(tmp, path)  # only where no other process wrote first
+                os.link(tmp, path)
             except FileExistsError:
                 pass
             except OSError:  # a file system without hard links
@@ -173,19 +175,10 @@ def cpu_bf16_matmul_is_faster() -> bool:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        kept = json.loads(path.read_text())
-        if kept.get("bf16_faster") != record["bf16_faster"]:
-            log.info("dtype: another process measured first (%s); following it", kept)
-        record = kept
+        return json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        log.warning("dtype: could not keep the measurement in %s (%s)", path, e)
-    log.info(
-        "dtype: bf16 products take %.2fx the float32 time here; auto is %s (kept in %s)",
-        record.get("bf16_over_float32_time", ratio),
-        "bfloat16" if record["bf16_faster"] else "float32",
-        path,
-    )
-    return bool(record["bf16_faster"])
+        log.warning("could not keep %s in %s (%s)", record, path, e)
+        return record
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

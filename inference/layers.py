@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import os
 import tempfile
@@ -44,11 +43,9 @@ _PROBES: dict[str, int] = {}  # probe key -> min_rows (or more than its floor)
 def _probe_file() -> Path:
     """Where probe results persist between processes: they depend on torch, the CPU and the
     thread count only (the key says which), and cost about a second per model to measure."""
-    from inference.cpu_kernels import cpu_id
-    from inference.model_import import docqa_home
+    from inference.cpu_kernels import machine_file
 
-    h = hashlib.sha256(f"{torch.__version__}|{cpu_id()}".encode()).hexdigest()[:16]
-    return docqa_home() / "kernels" / f"linear-rows-{h}.json"
+    return machine_file("linear-rows")
 
 
 def _load_probes() -> None:

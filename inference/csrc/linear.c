@@ -169,20 +169,19 @@ typedef void (*tile_fn)(const void *, int64_t, const float *, int64_t, int, int,
         tile(x, ldx, packed, pstride, k, k0, k1, bias, y, ldy, part, ldp, n0, n, MR, NP, 1); \
     }
 #endif
-TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(5, 1) TILE(6, 1)
-TILE(1, 4)
-#ifndef __AVX512F__
-TILE(2, 3) TILE(3, 2)
-#endif
 #ifdef __AVX512F__
-TILE(7, 1) TILE(8, 1)
-TILE(2, 4) TILE(3, 4) TILE(4, 3) TILE(5, 3) TILE(6, 3) TILE(7, 3) TILE(8, 3)
-TILE(1, 3) TILE(2, 3) TILE(3, 3)
-#endif
+/* the tiles of both dtypes' families (pick): one panel, the widest per row count, the rest */
+#define SHAPES(T)                                                                             \
+    T(1, 1) T(2, 1) T(3, 1) T(4, 1) T(5, 1) T(6, 1) T(7, 1) T(8, 1)                          \
+    T(1, 4) T(2, 4) T(3, 4) T(4, 3) T(5, 3) T(6, 3) T(7, 3) T(8, 3)                          \
+    T(1, 3) T(2, 3) T(3, 3)
+SHAPES(TILE)
 #ifdef HAVE_BF16
-BF_TILE(1, 1) BF_TILE(2, 1) BF_TILE(3, 1) BF_TILE(4, 1) BF_TILE(5, 1) BF_TILE(6, 1)
-BF_TILE(7, 1) BF_TILE(8, 1) BF_TILE(1, 4) BF_TILE(2, 4) BF_TILE(3, 4) BF_TILE(4, 3) BF_TILE(5, 3) BF_TILE(6, 3) BF_TILE(7, 3)
-BF_TILE(8, 3) BF_TILE(1, 3) BF_TILE(2, 3) BF_TILE(3, 3)
+SHAPES(BF_TILE)
+#endif
+#else
+TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(5, 1) TILE(6, 1)
+TILE(1, 4) TILE(2, 3) TILE(3, 2)
 #endif
 
 /* Rows per full tile. With AVX-512, 8 rows x 3 panels in both dtypes: 24 sums, and three
@@ -204,24 +203,23 @@ static void pick(int rows, int bf, int with_full, int *np, tile_fn *wide, tile_f
      * more panels at once, and the last 1-3 rows of a call with full tiles, whose work items
      * are groups of three panels, take three (one panel at a time, their few sums waited on
      * the products' latency) */
-    static const tile_fn one[] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1,
-                                  tile_5_1, tile_6_1, tile_7_1, tile_8_1};
-    static const tile_fn wide_f32[] = {0, tile_1_4, tile_2_4, tile_3_4, tile_4_3,
-                                       tile_5_3, tile_6_3, tile_7_3, tile_8_3};
-    static const tile_fn rest_f32[] = {0, tile_1_3, tile_2_3, tile_3_3};
-    static const int np_of[] = {0, 4, 4, 4, 3, 3, 3, 3, 3};
+    typedef struct {
+        tile_fn one[FULL_MR + 1], wide[FULL_MR + 1], rest[4];
+    } Family;
+#define FAMILY(t)                                                                             \
+    {{0, t##1_1, t##2_1, t##3_1, t##4_1, t##5_1, t##6_1, t##7_1, t##8_1},                     \
+     {0, t##1_4, t##2_4, t##3_4, t##4_3, t##5_3, t##6_3, t##7_3, t##8_3},                     \
+     {0, t##1_3, t##2_3, t##3_3}}
+    static const Family families[] = {FAMILY(tile_)
 #ifdef HAVE_BF16
-    static const tile_fn one_bf[] = {0, bf_tile_1_1, bf_tile_2_1, bf_tile_3_1, bf_tile_4_1,
-                                     bf_tile_5_1, bf_tile_6_1, bf_tile_7_1, bf_tile_8_1};
-    static const tile_fn wide_bf[] = {0, bf_tile_1_4, bf_tile_2_4, bf_tile_3_4, bf_tile_4_3,
-                                      bf_tile_5_3, bf_tile_6_3, bf_tile_7_3, bf_tile_8_3};
-    static const tile_fn rest_bf[] = {0, bf_tile_1_3, bf_tile_2_3, bf_tile_3_3};
-#else
-    static const tile_fn *one_bf = one, *wide_bf = wide_f32, *rest_bf = rest_f32;
+                                       , FAMILY(bf_tile_)
 #endif
+    };
+    static const int np_of[FULL_MR + 1] = {0, 4, 4, 4, 3, 3, 3, 3, 3};
+    const Family *f = &families[bf ? 1 : 0]; /* bf only where HAVE_BF16 (the entry points) */
     const int rest = rows < 4 && with_full;
-    *narrow = bf ? one_bf[rows] : one[rows];
-    *wide = rest ? (bf ? rest_bf : rest_f32)[rows] : (bf ? wide_bf : wide_f32)[rows];
+    *narrow = f->one[rows];
+    *wide = rest ? f->rest[rows] : f->wide[rows];
     *np = rest ? 3 : np_of[rows];
 #else
     (void)bf, (void)with_full;
