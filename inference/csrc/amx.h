@@ -16,8 +16,9 @@ static inline int amx_request(void) {
     return (bits & (1ul << 18)) ? 0 : -1;
 }
 
-/* All eight tiles 16 rows of 64 bytes, for this thread (tile state is per thread). */
-static inline void amx_configure_tiles(void) {
+/* All eight tiles 64 bytes wide, for this thread (tile state is per thread): the tiles in
+ * `short_tiles` (a bit per tile) `rows` rows, the others 16. */
+static inline void amx_configure_tiles_rows(unsigned short_tiles, int rows) {
     struct {
         uint8_t palette_id, start_row, reserved[14];
         uint16_t colsb[16];
@@ -26,9 +27,12 @@ static inline void amx_configure_tiles(void) {
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
     for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
+        cfg.rows[t] = (uint8_t)(short_tiles >> t & 1 ? rows : 16);
         cfg.colsb[t] = 64;
     }
     _tile_loadconfig(&cfg);
 }
+
+/* All eight tiles 16 rows of 64 bytes, for this thread. */
+static inline void amx_configure_tiles(void) { amx_configure_tiles_rows(0, 16); }
 #endif

@@ -167,7 +167,12 @@ int docqa_linear_bf16_amx(const uint16_t *x, int m, int64_t ldx, const uint16_t 
     const int64_t wstep = (int64_t)kb_n * 512; /* the next feature tile's weights */
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
     {
-        amx_configure_tiles();
+        /* a call of one row tile short of 16 rows: its sums (tiles 0-2) and rows (3, 7) only
+         * that many rows, so the unit computes no padding rows (each row's sums are the same) */
+        if (blocks == 1 && rest)
+            amx_configure_tiles_rows(1u << 0 | 1u << 1 | 1u << 2 | 1u << 3 | 1u << 7, rest);
+        else
+            amx_configure_tiles();
         float c[256] __attribute__((aligned(64)));
         float bias_buf[16];
 #pragma omp for schedule(static)
