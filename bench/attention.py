@@ -1,18 +1,19 @@
-"""Float32 CPU attention kernel timings, per layer, for the token groups serving produces.
+"""CPU attention kernel timings, per layer, for the token groups serving produces.
 
-    .venv/bin/python bench/attention.py [--against REV] [--repeats 8]
+    .venv/bin/python bench/attention.py [--against REV] [--repeats 8] [--dtype float32|bfloat16]
 
 Times ``docqa_decode_attention`` (inference/csrc/decode_attention.c) with float32 queries and
-K/V on four shapes: one decode token after a 1,080-token context; 16 decode tokens about 4
-manuals of 1,056 tokens; a 45-token question after a cached 1,000-token manual; the second
-512-token chunk of a manual's prompt. Each is cut into units by the engine's own step plan
-(``CPUBackend.plan``). Each shape runs
-over 30 layers twice: with one pool that stays in the caches (20 MB), and cold, the layers
-taking turns over four 50 MB pools. With ``--against
-REV`` the kernel source at git revision REV is built beside the working tree's, and the two are
-called in turn, repeat by repeat, on the same data (each with the groups it takes: units of up
-to 48 query rows on the register-tiled path, 16 elsewhere); the table gives both, their ratio
-and the largest difference between their outputs. Prints a markdown table; nothing is written.
+K/V, or with ``--dtype bfloat16`` ``docqa_attention_bf16`` (on the tile unit where the CPU has
+AMX, as the engine runs it), on four shapes: one decode token after a 1,080-token context; 16
+decode tokens about 4 manuals of 1,056 tokens; a 45-token question after a cached 1,000-token
+manual; the second 512-token chunk of a manual's prompt. Each is cut into units by the
+engine's own step plan (``CPUBackend.plan``). Each shape runs over 30 layers twice: with one
+pool that stays in the caches (20 MB), and cold, the layers taking turns over four 50 MB pools.
+With ``--against REV`` the kernel source at git revision REV is built beside the working tree's,
+and the two are called in turn, repeat by repeat, on the same data (each with the groups it
+takes: units of up to 48 query rows on the float32 register-tiled path, 16 elsewhere in
+float32); the table gives both, their ratio and the largest difference between their outputs.
+Prints a markdown table; nothing is written.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def load(src: Path) -> ctypes.CDLL:
     lib.docqa_decode_attention.argtypes = [p, i, p, i, p, p, i, p, p, i, p, i64, p]
     lib.docqa_decode_attention.argtypes += [i, i, i, i, f, p, i]
     lib.docqa_decode_attention.restype = i
+    lib.docqa_attention_bf16.argtypes = [p, p, i, p, p, i, p, p, p, i64, p, i, i, i, i, f, p, p, i]
+    lib.docqa_attention_bf16.restype = i
+    lib.amx = lib.docqa_attention_amx_init() == 0
     try:
         lib.docqa_decode_attention_tiled.argtypes = [i, i, i]
         lib.tiled = bool(lib.docqa_decode_attention_tiled(0, 0, DIM))
@@ -73,11 +77,12 @@ def source_at(rev: str, into: Path) -> Path:
 class Shapes:
     """The pools and the three shapes' tokens (tables, contexts), shared by every kernel."""
 
-    def __init__(self, num_blocks: int, pools: int, seed: int = 0):
+    def __init__(self, num_blocks: int, pools: int, seed: int = 0, dtype=torch.float32):
         gen = torch.Generator().manual_seed(seed)
         shape = (num_blocks, BS, KVH, DIM)
-        self.k = [torch.randn(shape, generator=gen) for _ in range(pools)]
-        self.v = [torch.randn(shape, generator=gen) for _ in range(pools)]
+        self.k = [torch.randn(shape, generator=gen).to(dtype) for _ in range(pools)]
+        self.v = [torch.randn(shape, generator=gen).to(dtype) for _ in range(pools)]
+        self.bf16 = dtype == torch.bfloat16
         rng = random.Random(seed)
         free = list(range(1, num_blocks))
         rng.shuffle(free)
@@ -93,8 +98,8 @@ class Shapes:
 
     def units(self, kind, spec, tiled: bool):
         """The step's plan (``CPUBackend.plan``: query rows, block tables, contexts, group
-        starts, shared keys), as the engine builds it for a kernel with (``tiled``) or without
-        the register-tiled path."""
+        starts, shared keys), as the engine builds it for the bf16 kernel, or for a float32
+        one with (``tiled``) or without the register-tiled path."""
         if kind == "decode":
             tables = [t for t, _ in spec]
             lens = [c for _, c in spec]
@@ -104,17 +109,28 @@ class Shapes:
         else:
             table, first, n = spec
             meta = AttentionMetadata.build([table], [first + n], [n], BS, "cpu", [False])
-        return CPUBackend().plan(meta, torch.device("cpu"), BS, GROUP, False, tiled)
+        return CPUBackend().plan(meta, torch.device("cpu"), BS, GROUP, self.bf16, tiled)
 
 
 def run(lib, shapes: Shapes, plan, q, out) -> float:
     t = plan.q_rows.shape[0]
     bt, ctx, starts, shared = plan.tables, plan.ctx, plan.group_start, plan.group_shared
     q_start = plan.q_rows * q.stride(0)
+    out_start = plan.q_rows * out.stride(0)
     start = time.perf_counter()
     for layer in range(LAYERS):
         k = shapes.k[layer % len(shapes.k)]
         v = shapes.v[layer % len(shapes.v)]
+        if shapes.bf16:
+            rc = lib.docqa_attention_bf16(
+                q.data_ptr(), q_start.data_ptr(), t, starts.data_ptr(), shared.data_ptr(),
+                shared.shape[0], k.data_ptr(), v.data_ptr(), bt.data_ptr(), bt.stride(0),
+                ctx.data_ptr(), HEADS, KVH, DIM, BS, 0.125, out.data_ptr(), out_start.data_ptr(),
+                torch.get_num_threads(),
+            )  # fmt: skip
+            if rc != 0:
+                raise SystemExit("the kernel refused the shape")
+            continue
         rc = lib.docqa_decode_attention(
             q.data_ptr(), 0, q_start.data_ptr(), t, starts.data_ptr(), shared.data_ptr(),
             shared.shape[0], k.data_ptr(), v.data_ptr(), 0, bt.data_ptr(), bt.stride(0),
@@ -130,14 +146,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--against", metavar="REV", help="a git revision's kernel, side by side")
     ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     libs = {"this tree": load(cpu_kernels.SOURCE)}
     if args.against:
         tmp = Path(tempfile.mkdtemp(prefix="docqa-attention-"))
         libs = {args.against: load(source_at(args.against, tmp)), **libs}
     names = list(libs)
     print(
-        f"{torch.get_num_threads()} threads, float32, {HEADS} query heads, {KVH} KV heads, head "
+        f"{torch.get_num_threads()} threads, {args.dtype}"
+        f"{' on the tile unit' if dtype == torch.bfloat16 and libs[names[-1]].amx else ''}, "
+        f"{HEADS} query heads, {KVH} KV heads, head "
         f"size {DIM}, blocks of {BS} tokens; ms per layer, best of {args.repeats}\n"
     )
     head = " | ".join(names)
@@ -145,21 +165,22 @@ def main() -> None:
     print(f"| shape | pool | {head}{ratio} |")
     print("|---|---|" + "---|" * (len(names) + (2 if ratio else 0)))
     for pool, (num_blocks, pools) in {"in cache": (320, 1), "cold": (4096, 4)}.items():
-        shapes = Shapes(num_blocks, pools)
+        shapes = Shapes(num_blocks, pools, dtype=dtype)
         for name, (kind, spec) in shapes.cases.items():
             units = {n: shapes.units(kind, spec, libs[n].tiled) for n in names}
             best = dict.fromkeys(names, float("inf"))
             outs = {}
             tokens = units[names[0]].q_rows.shape[0]
             q = torch.randn(tokens, HEADS, DIM, generator=torch.Generator().manual_seed(1))
+            q = q.to(dtype)
             for _ in range(args.repeats):
                 for n in names:
-                    out = torch.empty(tokens, HEADS, DIM)
+                    out = torch.empty(tokens, HEADS, DIM, dtype=dtype)
                     best[n] = min(best[n], run(libs[n], shapes, units[n], q, out))
                     outs[n] = torch.empty_like(out).index_copy_(0, units[n].q_rows, out)
             cells = " | ".join(f"{best[n] * 1e3:.2f}" for n in names)
             if ratio:
-                diff = (outs[names[0]] - outs[names[1]]).abs().max().item()
+                diff = (outs[names[0]].float() - outs[names[1]].float()).abs().max().item()
                 cells += f" | {best[names[1]] / best[names[0]]:.2f}x | {diff:.1e}"
             print(f"| {name} | {pool} | {cells} |")
 
