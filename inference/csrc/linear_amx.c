@@ -12,8 +12,9 @@
  * 1 KiB at packed + (nb * KB + kb) * 512, row p (64 bytes) holding, for feature j = 0..15,
  * the pair w[16 nb + j][32 kb + 2p], w[16 nb + j][32 kb + 2p + 1] (the layout TDPBF16PS reads
  * B in); features past N are zero. x is read in place, 16 rows a tile, when K is a multiple of
- * 32; a call's last rows short of 16 are first copied to a zeroed scratch tile (the unit must
- * not read past x).
+ * 32. A call of fewer than 16 rows (decode) configures its row and sum tiles to that many rows
+ * and reads x in place too, so the unit computes no padding rows; in a longer call, the last
+ * rows short of 16 are first copied to a zeroed scratch tile (the unit must not read past x).
  *
  * Threads split the feature tiles in groups: three against a call of one row tile (16 rows
  * or fewer), else two, against every pair of row tiles in turn. Three or four independent
@@ -65,11 +66,12 @@ typedef struct {
     int rows;
 } RowTile;
 
-/* Row tile r of a call: 16 rows of x in place, or the zero-padded copy of its last rows. */
+/* Row tile r of a call: 16 rows of x in place, or its last rows: in place when they are the
+ * whole call (short tiles), else the zero-padded copy `tail`. */
 static inline RowTile row_tile(const uint16_t *x, int64_t ldx, int full, const uint16_t *tail,
                                int k, int rest, int r) {
-    return r < full ? (RowTile){x + (int64_t)r * 16 * ldx, ldx * 2, 16}
-                    : (RowTile){tail, (int64_t)k * 2, rest};
+    if (r < full) return (RowTile){x + (int64_t)r * 16 * ldx, ldx * 2, 16};
+    return full ? (RowTile){tail, (int64_t)k * 2, rest} : (RowTile){x, ldx * 2, rest};
 }
 
 /* Row tiles t[0 .. rn) (rn 1 or 2) against feature tiles nb0 .. nb0 + fc of the packed
@@ -151,8 +153,8 @@ int docqa_linear_bf16_amx(const uint16_t *x, int m, int64_t ldx, const uint16_t 
     if (m == 0) return 0;
     const int kb_n = k / 32, nb_n = (n + 15) / 16;
     const int full = m / 16, rest = m % 16;
-    uint16_t *tail = NULL; /* the last rows, zero-padded to a whole tile */
-    if (rest) {
+    uint16_t *tail = NULL; /* the last rows of a longer call, zero-padded to a whole tile */
+    if (rest && full) {
         tail = (uint16_t *)aligned_alloc(64, (size_t)16 * k * sizeof(uint16_t));
         if (!tail) return -1;
         memset(tail, 0, (size_t)16 * k * sizeof(uint16_t));
@@ -167,9 +169,9 @@ int docqa_linear_bf16_amx(const uint16_t *x, int m, int64_t ldx, const uint16_t 
     const int64_t wstep = (int64_t)kb_n * 512; /* the next feature tile's weights */
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
     {
-        /* a call of one row tile short of 16 rows: its sums (tiles 0-2) and rows (3, 7) only
-         * that many rows, so the unit computes no padding rows (each row's sums are the same) */
-        if (blocks == 1 && rest)
+        /* a call of fewer than 16 rows: its sums (tiles 0-2) and rows (3, 7) only that many
+         * rows, so the unit computes no padding rows (each row's sums are the same) */
+        if (!full)
             amx_configure_tiles_rows(1u << 0 | 1u << 1 | 1u << 2 | 1u << 3 | 1u << 7, rest);
         else
             amx_configure_tiles();
