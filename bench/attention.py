@@ -40,19 +40,10 @@ GROUP = HEADS // KVH
 
 
 def load(src: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(cpu_kernels.build(src)))
-    p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    lib.docqa_decode_attention.argtypes = [p, i, p, i, p, p, i, p, p, i, p, i64, p]
-    lib.docqa_decode_attention.argtypes += [i, i, i, i, f, p, i]
-    lib.docqa_decode_attention.restype = i
-    lib.docqa_attention_bf16.argtypes = [p, p, i, p, p, i, p, p, p, i64, p, i, i, i, i, f, p, p, i]
-    lib.docqa_attention_bf16.restype = i
-    lib.amx = lib.docqa_attention_amx_init() == 0
-    try:
-        lib.docqa_decode_attention_tiled.argtypes = [i, i, i]
-        lib.tiled = bool(lib.docqa_decode_attention_tiled(0, 0, DIM))
-    except AttributeError:  # a revision before the register-tiled path
-        lib.tiled = False
+    lib = cpu_kernels.attention_library_at(cpu_kernels.build(src))
+    # a revision before the register-tiled path has no such entry
+    tiled = getattr(lib, "docqa_decode_attention_tiled", None)
+    lib.tiled = bool(tiled and tiled(0, 0, DIM))
     return lib
 
 

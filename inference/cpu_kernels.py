@@ -115,29 +115,40 @@ def build(src: Path) -> Path:
     return out
 
 
+def _attention_signatures() -> dict[str, tuple[list, type]]:
+    p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    return {
+        "docqa_decode_attention": (
+            [p, i, p, i, p, p, i, p, p, i, p, i64, p, i, i, i, i, f, p, i],
+            i,
+        ),
+        "docqa_attention_bf16": ([p, p, i, p, p, i, p, p, p, i64, p, i, i, i, i, f, p, p, i], i),
+        "docqa_attention_bf16_exp": ([p, p, i64], i),
+        "docqa_attention_bf16_dims": ([], i),
+        "docqa_decode_attention_tiled": ([i, i, i], i),
+        "docqa_attention_amx_init": ([], i),
+    }
+
+
+def attention_library_at(path: Path) -> ctypes.CDLL:
+    """A build of the attention kernels (this tree's, or another revision's for
+    bench/attention.py): the entry points it has declared, and the tile unit asked for where
+    it can use it."""
+    lib = ctypes.CDLL(str(path))
+    for name, (argtypes, restype) in _attention_signatures().items():
+        if hasattr(lib, name):
+            getattr(lib, name).argtypes = argtypes
+            getattr(lib, name).restype = restype
+    # bf16 products on the AMX tile unit where the CPU, the build and Linux allow it (every
+    # bf16 token of the process then takes the same path: -1 keeps the vector path)
+    lib.amx = hasattr(lib, "docqa_attention_amx_init") and lib.docqa_attention_amx_init() == 0
+    return lib
+
+
 @functools.cache
 def decode_attention_library() -> ctypes.CDLL:
     """The compiled attention kernels (built on first use); raises KernelBuildError."""
-    lib = ctypes.CDLL(str(build(SOURCE)))
-    p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    fn = lib.docqa_decode_attention
-    fn.argtypes = [p, i, p, i, p, p, i, p, p, i, p, i64, p, i, i, i, i, f, p, i]
-    fn.restype = i
-    fn = lib.docqa_attention_bf16
-    fn.argtypes = [p, p, i, p, p, i, p, p, p, i64, p, i, i, i, i, f, p, p, i]
-    fn.restype = i
-    lib.docqa_attention_bf16_exp.argtypes = [p, p, i64]
-    lib.docqa_attention_bf16_exp.restype = i
-    lib.docqa_attention_bf16_dims.argtypes = []
-    lib.docqa_attention_bf16_dims.restype = i
-    lib.docqa_decode_attention_tiled.argtypes = [i, i, i]
-    lib.docqa_decode_attention_tiled.restype = i
-    lib.docqa_attention_amx_init.argtypes = []
-    lib.docqa_attention_amx_init.restype = i
-    # bf16 products on the AMX tile unit where the CPU, the build and Linux allow it (every
-    # bf16 token of the process then takes the same path: -1 keeps the vector path)
-    lib.amx = lib.docqa_attention_amx_init() == 0
-    return lib
+    return attention_library_at(build(SOURCE))
 
 
 def kernels_available() -> bool:

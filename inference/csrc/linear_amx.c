@@ -81,6 +81,9 @@ static inline RowTile row_tile(const uint16_t *x, int64_t ldx, int full, const u
  * tile r and feature tile f in 2 r + f, rows into 4, 5 and weights into 6, 7. Three or four
  * independent sums hide the product's latency, and each weight tile loaded serves every row
  * tile of the pass. */
+/* With one row tile, rows_pass's tiles that hold rows: the sums (0-2) and the rows (3, 7) */
+#define ONE_ROW_TILE_SHORT (1u << 0 | 1u << 1 | 1u << 2 | 1u << 3 | 1u << 7)
+
 static inline __attribute__((always_inline)) void rows_pass(
     const RowTile *t, int rn, const uint16_t *w, int64_t wstep, int kb_n, int nb0, int fc,
     const float *bias, uint16_t *y, int64_t ldy, int n, float *c, float *bias_buf) {
@@ -172,7 +175,7 @@ int docqa_linear_bf16_amx(const uint16_t *x, int m, int64_t ldx, const uint16_t 
         /* a call of fewer than 16 rows: its sums (tiles 0-2) and rows (3, 7) only that many
          * rows, so the unit computes no padding rows (each row's sums are the same) */
         if (!full)
-            amx_configure_tiles_rows(1u << 0 | 1u << 1 | 1u << 2 | 1u << 3 | 1u << 7, rest);
+            amx_configure_tiles_rows(ONE_ROW_TILE_SHORT, rest);
         else
             amx_configure_tiles();
         float c[256] __attribute__((aligned(64)));
