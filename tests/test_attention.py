@@ -207,9 +207,9 @@ def test_kernel_gives_a_prompt_token_the_bits_of_a_decode_token(dtype):
 
 def test_bf16_kernel_groups_do_not_change_outputs():
     """Decode tokens about one manual in groups of up to ``bf16_unit_rows()`` query rows (96
-    on the tile unit, else 48) whose shared keys are read once, and prompt tokens in groups of
-    consecutive tokens of even sizes, up to full units: the same bits as every token in a
-    group of its own."""
+    on the tile unit, else 48) whose shared keys are read once, and prompt tokens in full units
+    of consecutive tokens, then the rest: the same bits as every token in a group of its
+    own."""
     _bf16_kernel()
     rng = random.Random(SEED)
     bs, d = 16, 64
@@ -224,8 +224,8 @@ def test_bf16_kernel_groups_do_not_change_outputs():
     rows, bt, ctx, starts, shared = backend.plan(meta, "cpu", bs, 3, bf16=True)
     sizes = (starts[1:] - starts[:-1]).tolist()
     assert max(sizes) == per and sum(sizes) == n
-    # the 40-token chunk in even groups; the 2 * per-token one in two full units
-    assert sizes.count(per) >= 2 and 40 // -(-40 // per) in sizes
+    # the 40-token chunk in full units and the rest; the 2 * per-token one in two full units
+    assert sizes.count(per) >= 2 + 40 // per and 40 % per in sizes
     assert max(shared.tolist()) >= 960
     grouped = cpu_kernels.attention_bf16(
         q, rows, k_cache, v_cache, bt, ctx, 0.125, starts, shared, torch.empty_like(q)

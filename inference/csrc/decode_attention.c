@@ -728,6 +728,10 @@ static inline __m512 bf_exp(__m512 x) {
  * softmax they save. Measured on Zen 4: prompt groups (30 rows) 10% faster in lanes, decode
  * groups of 18 and 30 rows faster, of 12 rows (4 answers about a manual) slower. */
 #define BF_WIDE_ROWS 16
+#ifndef BF_FETCH_PAIRS
+#define BF_FETCH_PAIRS 8
+#endif
+#define BF_WIDE_BLOCKS 3 /* blocks of 16 rows whose scores share each K broadcast */
 #define BF_MAX_DIM 128
 
 typedef struct {
@@ -961,6 +965,35 @@ int docqa_attention_amx_init(void) {
 int docqa_attention_amx_init(void) { return -1; }
 #endif
 
+/* Raw scores of the round's keys for NB blocks of 16 rows in lanes (row blocks bi0 ..
+ * bi0 + NB - 1 of qT, the queries by pairs): S[b][j] = the products of key j's pairs with the
+ * block's rows, summed over the pairs in order. Each K pair is broadcast once for the NB
+ * blocks, KEYS keys at a time (NB * KEYS sums in registers). Keys at or past n are left as
+ * any key's scores: the softmax masks them. */
+static inline __attribute__((always_inline)) void bf_wide_scores(
+    __m512 S[][ROUND], const __m512i qT[][BF_MAX_DIM / 2], int bi0, const int NB,
+    const int KEYS, const uint16_t *k_cache, const int64_t *row_at, int n, const int NP,
+    int j0) {
+    {
+        __m512 a[NB][KEYS];
+        const uint32_t *kr[KEYS];
+        for (int i = 0; i < KEYS; i++) {
+            for (int b = 0; b < NB; b++) a[b][i] = _mm512_setzero_ps();
+            /* keys past the round's are masked: any row will do */
+            kr[i] = (const uint32_t *)(k_cache + row_at[j0 + i < n ? j0 + i : 0]);
+        }
+        if (j0 < n)
+            for (int p = 0; p < NP; p++)
+                for (int i = 0; i < KEYS; i++) {
+                    const __m512bh kb = (__m512bh)_mm512_set1_epi32((int)kr[i][p]);
+                    for (int b = 0; b < NB; b++)
+                        a[b][i] = _mm512_dpbf16_ps(a[b][i], kb, (__m512bh)qT[bi0 + b][p]);
+                }
+        for (int i = 0; i < KEYS; i++)
+            for (int b = 0; b < NB; b++) S[b][j0 + i] = a[b][i];
+    }
+}
+
 /* Keys [from, to) of one table for rows [lo, hi); from is a multiple of ROUND. DIM is 64 or
  * 128 and AMX 0 or 1 (compile-time constants in each caller). With AMX the scores and the
  * weighted values are tile products (16 rows a tile, each row's result from its own row
@@ -1073,30 +1106,28 @@ static inline __attribute__((always_inline)) void bf_run_keys(
         }
 #endif
         if (wide) { /* rows in lanes: scores straight from the pool's K rows */
-            for (int b0 = lo, bi = 0; b0 < hi; b0 += 16, bi++) {
-                const int rows = hi - b0 < 16 ? hi - b0 : 16;
-                __m512 S[ROUND];
-                for (int j0 = 0; j0 < ROUND; j0 += 8) {
-                    BF_FETCH(bi * (ROUND / 8) + j0 / 8, (hi - lo + 15) / 16 * (ROUND / 8));
-                    __m512 a[8];
-                    const uint32_t *kr[8];
-                    for (int i = 0; i < 8; i++) {
-                        a[i] = _mm512_setzero_ps();
-                        /* keys past the round's are masked: any row will do */
-                        kr[i] = (const uint32_t *)(k_cache + row_at[j0 + i < n ? j0 + i : 0]);
-                    }
-                    if (j0 < n)
-                        for (int p = 0; p < NP; p++) {
-                            const __m512bh qv = (__m512bh)qT[bi][p];
-                            for (int i = 0; i < 8; i++)
-                                a[i] = _mm512_dpbf16_ps(
-                                    a[i], (__m512bh)_mm512_set1_epi32((int)kr[i][p]), qv);
-                        }
-                    for (int i = 0; i < 8; i++) S[j0 + i] = a[i];
+            const int blocks = (hi - lo + 15) / 16;
+            for (int bi0 = 0; bi0 < blocks; bi0 += BF_WIDE_BLOCKS) {
+                const int nb = blocks - bi0 < BF_WIDE_BLOCKS ? blocks - bi0 : BF_WIDE_BLOCKS;
+                __m512 S[BF_WIDE_BLOCKS][ROUND];
+                const int keys = nb == 1 ? 16 : 8, steps = ROUND / keys;
+                for (int j0 = 0; j0 < ROUND; j0 += keys) {
+                    BF_FETCH(bi0 / BF_WIDE_BLOCKS * steps + j0 / keys,
+                             (blocks + BF_WIDE_BLOCKS - 1) / BF_WIDE_BLOCKS * steps);
+                    if (nb == 3)
+                        bf_wide_scores(S, qT, bi0, 3, 8, k_cache, row_at, n, NP, j0);
+                    else if (nb == 2)
+                        bf_wide_scores(S, qT, bi0, 2, 8, k_cache, row_at, n, NP, j0);
+                    else
+                        bf_wide_scores(S, qT, bi0, 1, 16, k_cache, row_at, n, NP, j0);
                 }
-                bf_softmax_rows(st, b0, rows, S, r0, scale, pwt, NV);
-                for (int g0 = b0; g0 < b0 + rows; g0 += 4)
-                    bf_weighted_values(st, g0, b0 + rows, &pwt[0][0], b0, 1, 16, vp, n, NV);
+                for (int b = 0; b < nb; b++) {
+                    const int b0 = lo + 16 * (bi0 + b);
+                    const int rows = hi - b0 < 16 ? hi - b0 : 16;
+                    bf_softmax_rows(st, b0, rows, S[b], r0, scale, pwt, NV);
+                    for (int g0 = b0; g0 < b0 + rows; g0 += 4)
+                        bf_weighted_values(st, g0, b0 + rows, &pwt[0][0], b0, 1, 16, vp, n, NV);
+                }
             }
             continue;
         }
@@ -1107,14 +1138,20 @@ static inline __attribute__((always_inline)) void bf_run_keys(
             __m512 s[4][ROUND / 16];
             for (int i = 0; i < 4; i++)
                 for (int kb = 0; kb < ROUND / 16; kb++) s[i][kb] = _mm512_setzero_ps();
-            for (int p = 0; p < NP; p++) {
-                BF_FETCH((g0 - lo) / 4 * NP + p, (hi - lo + 3) / 4 * NP);
-                __m512bh qb[4];
-                for (int i = 0; i < 4; i++)
-                    qb[i] = (__m512bh)_mm512_set1_epi32((int)st->q[g[i]][p]);
-                for (int kb = 0; kb < ROUND / 16; kb++) {
-                    const __m512bh kv = (__m512bh)kt[p][kb];
-                    for (int i = 0; i < 4; i++) s[i][kb] = _mm512_dpbf16_ps(s[i][kb], kv, qb[i]);
+            const uint32_t *qp[4];
+            for (int i = 0; i < 4; i++) qp[i] = st->q[g[i]];
+            for (int p0 = 0; p0 < NP; p0 += BF_FETCH_PAIRS) {
+                BF_FETCH((g0 - lo) / 4 * (NP / BF_FETCH_PAIRS) + p0 / BF_FETCH_PAIRS,
+                         (hi - lo + 3) / 4 * (NP / BF_FETCH_PAIRS));
+                for (int p = p0; p < p0 + BF_FETCH_PAIRS; p++) {
+                    __m512bh qb[4];
+                    for (int i = 0; i < 4; i++)
+                        qb[i] = (__m512bh)_mm512_set1_epi32((int)qp[i][p]);
+                    for (int kb = 0; kb < ROUND / 16; kb++) {
+                        const __m512bh kv = (__m512bh)kt[p][kb];
+                        for (int i = 0; i < 4; i++)
+                            s[i][kb] = _mm512_dpbf16_ps(s[i][kb], kv, qb[i]);
+                    }
                 }
             }
             for (int i = 0; i < 4 && g0 + i < hi; i++)
