@@ -194,6 +194,7 @@ def cmd_serve(args) -> int:
         num_threads=args.threads,
         pin_budget=args.pin_budget,
         max_num_batched_tokens=args.max_batched_tokens,
+        prefill_tokens_with_decodes=args.prefill_tokens_with_decodes,
         advertise_url=args.advertise_url
         or os.environ.get("DOCQA_ADVERTISE_URL")
         or f"http://{_reachable_host(args.host)}:{args.port}",
@@ -295,6 +296,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=512,
         help="tokens per engine step, decodes and prompt chunks together (default 512)",
+    )
+    s.add_argument(
+        "--prefill-tokens-with-decodes",
+        type=int,
+        default=64,
+        help="prompt tokens per engine step while answers are decoding; 0: up to "
+        "--max-batched-tokens (default 64)",
     )
     s.add_argument(
         "--advertise-url",

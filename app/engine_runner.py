@@ -111,6 +111,7 @@ class EngineRunner:
         max_waiting: int = 256,
         pin_budget: float = 0.25,
         max_num_batched_tokens: int = 512,
+        prefill_tokens_with_decodes: int = 64,
         observer: Any = None,  # ServiceMetrics, or None
         kv_tier: TierConfig | None = None,
     ):
@@ -121,6 +122,7 @@ class EngineRunner:
             num_threads=num_threads,
             pin_budget=pin_budget,
             max_num_batched_tokens=max_num_batched_tokens,
+            prefill_tokens_with_decodes=prefill_tokens_with_decodes,
             kv_tier=kv_tier,
         )
         self.max_waiting = max_waiting

@@ -100,6 +100,7 @@ class Settings:
     kv_cache_gib: float | None = None
     pin_budget: float = 0.25  # share of the KV pool pinned manuals may hold
     max_num_batched_tokens: int = 512  # tokens per engine step (decodes + prompt chunks)
+    prefill_tokens_with_decodes: int = 64  # prompt tokens per step while answers decode
     max_tokens_cap: int = MAX_TOKENS_CAP
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     max_upload_bytes: int = MAX_UPLOAD_BYTES
@@ -119,6 +120,11 @@ class Settings:
             raise ConfigError(f"--pin-budget must be between 0 and 0.9, got {self.pin_budget}")
         if self.max_num_batched_tokens < 16:
             raise ConfigError("--max-batched-tokens must be at least 16")
+        if self.prefill_tokens_with_decodes < 0:
+            raise ConfigError(
+                "--prefill-tokens-with-decodes must be 0 (no limit) or more, got "
+                f"{self.prefill_tokens_with_decodes}"
+            )
         if self.max_upload_bytes < 1:
             raise ConfigError("the upload limit must be positive")
         if self.redis_ttl_s < 1:

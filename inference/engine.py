@@ -220,6 +220,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's context length
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
+    prefill_tokens_with_decodes: int = 64  # SchedulerConfig.prefill_tokens_with_decodes
     pin_budget: float = 0.25  # share of the KV pool that pinned prefixes may hold
     attention_backend: str | None = None  # auto | torch | triton (env DOCQA_ATTENTION_BACKEND)
     random_weights_seed: int | None = None  # benchmarks: random weights, no weight files
@@ -303,7 +304,12 @@ class LLMEngine:
             self.kv_spec.num_blocks, config.block_size, self.fingerprint, self._copy_slots
         )
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs), self.kv_manager
+            SchedulerConfig(
+                config.max_num_batched_tokens,
+                config.max_num_seqs,
+                prefill_tokens_with_decodes=config.prefill_tokens_with_decodes,
+            ),
+            self.kv_manager,
         )
         self.cost_model = PrefillCostModel()
         eos = set(cfg.eos_token_ids)

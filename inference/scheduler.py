@@ -20,6 +20,10 @@ from prefix_store import CachedPrefix, KVCacheManager, NoFreeBlocksError
 class SchedulerConfig:
     max_num_batched_tokens: int = 512  # new tokens per step (decodes + prompt chunks)
     max_num_seqs: int = 64  # requests running at once
+    # prompt tokens a step may carry while answers are decoding (0: up to the step's budget):
+    # a burst of questions is spread over a few steps instead of stalling every answer for
+    # one long step
+    prefill_tokens_with_decodes: int = 64
     # a request waiting longer than this is admitted in arrival order, ahead of requests that
     # would otherwise go first for their longer cached prefix
     fairness_window_s: float = 2.0
@@ -30,6 +34,8 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be at least 1")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
+        if self.prefill_tokens_with_decodes < 0:
+            raise ValueError("prefill_tokens_with_decodes must be 0 or more")
 
 
 class ScheduledChunk(NamedTuple):
@@ -104,6 +110,11 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        # prompt tokens this step may carry: fewer while answers are decoding
+        prompt_budget = budget
+        cap = self.config.prefill_tokens_with_decodes
+        if cap and any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
+            prompt_budget = cap
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
         # 1. running requests, oldest first: decodes and continuing prompt chunks
@@ -112,7 +123,12 @@ class Scheduler:
                 break
             if req not in self.running:  # preempted below for an older request
                 continue
+            prompt = req.num_computed_tokens < req.num_prompt_tokens
+            if prompt and prompt_budget <= 0:
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if prompt:
+                n = min(n, prompt_budget)
             while True:
                 try:
                     self.kv.allocate(req.request_id, req.num_computed_tokens + n)
@@ -128,8 +144,10 @@ class Scheduler:
             if n > 0:
                 chunks.append(ScheduledChunk(req, n, req.num_computed_tokens))
                 budget -= n
+                if prompt:
+                    prompt_budget -= n
         # 2. admit waiting requests while budget, sequence slots and blocks last
-        self._admit(chunks, budget)
+        self._admit(chunks, min(budget, prompt_budget))
         return SchedulerOutput(chunks, preempted)
 
     # -- admission --------------------------------------------------------------------------------

@@ -194,6 +194,33 @@ def test_admission_prefers_the_longest_cached_prefix(tiny_model_dir):
     assert any(c.request is cold for c in out.chunks)  # the cold one still gets the rest
 
 
+def test_prompt_tokens_per_step_are_capped_while_answers_decode(tiny_model_dir):
+    """While an answer decodes, a new prompt is computed at most ``prefill_tokens_with_decodes``
+    tokens a step and the answer gains a token every step; with nothing decoding, a prompt
+    takes the whole step budget."""
+    eng = LLM(
+        tiny_model_dir,
+        dtype="bfloat16",
+        kv_cache_gib=0.01,
+        max_num_batched_tokens=256,
+        prefill_tokens_with_decodes=32,
+    ).engine
+    alone = eng.add_request(_prompt(960, 150), SamplingParams(max_tokens=1))
+    eng.step()
+    assert eng.last_step[1:3] == (150, 0) and alone.finished
+    eng.release(alone)
+    answer = eng.add_request(_prompt(961, 40), SamplingParams(max_tokens=60, ignore_eos=True))
+    while not answer.output_token_ids:
+        eng.step()
+    question = eng.add_request(_prompt(962, 150), SamplingParams(max_tokens=1))
+    steps = []
+    while not question.finished:
+        eng.step()
+        steps.append(eng.last_step[1:3])  # (prompt tokens, decode tokens)
+    assert [p for p, _ in steps] == [32, 32, 32, 32, 22]
+    assert all(d == 1 for _, d in steps)
+
+
 def test_random_weights_for_benchmarks(tiny_model_dir):
     a = LLM(tiny_model_dir, dtype="float32", kv_cache_gib=0.002, random_weights_seed=1).engine
     b = LLM(tiny_model_dir, dtype="float32", kv_cache_gib=0.002).engine

@@ -58,3 +58,15 @@ def test_bad_values_are_refused_with_the_rule(env, name, value, message):
     env.setenv(name, value)
     with pytest.raises(ConfigError, match=message):
         Settings.from_env()
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("max_num_batched_tokens", 8, "--max-batched-tokens must be at least 16"),
+        ("prefill_tokens_with_decodes", -1, "--prefill-tokens-with-decodes must be 0"),
+    ],
+)
+def test_bad_options_are_refused_with_the_rule(env, option, value, message):
+    with pytest.raises(ConfigError, match=message):
+        Settings.from_env(**{option: value})

@@ -133,6 +133,7 @@ def create_app(settings: Settings | None = None, runner: EngineRunner | None = N
         kv_cache_gib=settings.kv_cache_gib,
         pin_budget=settings.pin_budget,
         max_num_batched_tokens=settings.max_num_batched_tokens,
+        prefill_tokens_with_decodes=settings.prefill_tokens_with_decodes,
         num_threads=settings.num_threads,
         max_waiting=settings.max_waiting_requests,
         kv_tier=settings.tier_config(),
