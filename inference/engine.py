@@ -30,7 +30,7 @@ from inference.kv_sizing import KVCacheSpec, size_kv_cache
 from inference.metrics import PrefillCostModel, RequestMetrics
 from inference.model import LlamaModel, model_fingerprint
 from inference.sampling import SamplingParams, sample
-from inference.scheduler import Scheduler, SchedulerConfig
+from inference.scheduler import Scheduler, SchedulerConfig, is_decode
 from inference.sequence import Request
 from inference.tokenizer import TextTokenizer
 from prefix_store import KVCacheManager, RedisTier, TierBlock, TierConfig
@@ -39,11 +39,6 @@ log = logging.getLogger("docqa.engine")
 
 # end-of-turn markers of the chat templates docqa lays out (prompts/templates.py)
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|endoftext|>")
-
-
-def _is_decode(req: Request, n: int, ctx: int) -> bool:
-    """One new token that follows a sampled token (not a chunk of the prompt)."""
-    return n == 1 and ctx == req.num_tokens - 1 and ctx >= req.num_prompt_tokens
 
 
 def default_device() -> torch.device:
@@ -609,7 +604,7 @@ class LLMEngine:
         sampling: list[Request] = []
         chunk_tokens: list[list[int]] = []
         for req, n, ctx in out.chunks:
-            decodes.append(_is_decode(req, n, ctx))
+            decodes.append(is_decode(req, n, ctx))
             toks = req.all_token_ids  # built once per chunk, reused for registration below
             chunk_tokens.append(toks)
             input_ids.extend(toks[ctx : ctx + n])
@@ -641,8 +636,8 @@ class LLMEngine:
         prefill_chunks = []
         bs = self.kv_spec.block_size
         newly: list | None = [] if self.tier is not None and self.tier.up else None
-        for (req, n, ctx), is_decode, toks in zip(out.chunks, decodes, chunk_tokens, strict=True):
-            if not is_decode:
+        for (req, n, ctx), decode, toks in zip(out.chunks, decodes, chunk_tokens, strict=True):
+            if not decode:
                 self.prompt_tokens_computed += n
                 req.times.prefill_s += dt
                 prefill_chunks.append((n, ctx))

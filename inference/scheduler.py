@@ -16,6 +16,17 @@ from inference.sequence import Request, RequestStatus
 from prefix_store import CachedPrefix, KVCacheManager, NoFreeBlocksError
 
 
+def is_decode(req: Request, n: int, ctx: int) -> bool:
+    """A chunk of ``n`` tokens after ``ctx`` computed ones is one new token that follows a
+    sampled token (not a chunk of the prompt, nor a preempted request's recompute)."""
+    return n == 1 and ctx == req.num_tokens - 1 and ctx >= req.num_prompt_tokens
+
+
+def _decoding(req: Request) -> bool:
+    """The request's next chunk is a decode token."""
+    return is_decode(req, req.num_tokens - req.num_computed_tokens, req.num_computed_tokens)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = 512  # new tokens per step (decodes + prompt chunks)
@@ -113,7 +124,7 @@ class Scheduler:
         # prompt tokens this step may carry: fewer while answers are decoding
         prompt_budget = budget
         cap = self.config.prefill_tokens_with_decodes
-        if cap and any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
+        if cap and any(_decoding(r) for r in self.running):
             prompt_budget = cap
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
@@ -123,7 +134,7 @@ class Scheduler:
                 break
             if req not in self.running:  # preempted below for an older request
                 continue
-            prompt = req.num_computed_tokens < req.num_prompt_tokens
+            prompt = not _decoding(req)  # a prompt chunk, or a preempted request's recompute
             if prompt and prompt_budget <= 0:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -139,7 +150,11 @@ class Scheduler:
                         n = 0
                         break
                     preempted.append(victim)
-                    budget += sum(c.num_new_tokens for c in chunks if c.request is victim)
+                    for c in chunks:
+                        if c.request is victim:
+                            budget += c.num_new_tokens
+                            if not is_decode(victim, c.num_new_tokens, c.num_context_tokens):
+                                prompt_budget += c.num_new_tokens
                     chunks = [c for c in chunks if c.request is not victim]
             if n > 0:
                 chunks.append(ScheduledChunk(req, n, req.num_computed_tokens))
