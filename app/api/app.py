@@ -102,6 +102,8 @@ async def engine_info(state: State) -> EngineInfo:
         kv_capacity_tokens=spec.num_tokens,
         kv_capacity_blocks=spec.num_blocks,
         max_concurrency=round(spec.max_concurrency, 3),
+        max_batched_tokens=e.scheduler.config.max_num_batched_tokens,
+        prefill_tokens_with_decodes=e.scheduler.config.prefill_tokens_with_decodes,
         blocks_in_use=c["num_blocks"] - c["num_free_blocks"],
         blocks_cached=c["kv_cache_cached_blocks"],
         blocks_free=c["num_free_blocks"],

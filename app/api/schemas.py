@@ -149,6 +149,13 @@ class EngineInfo(Struct):
     max_concurrency: Annotated[
         float, Meta(description="sequences of max_model_len tokens the KV pool holds at once")
     ]
+    max_batched_tokens: Annotated[
+        int, Meta(description="tokens an engine step carries, decodes and prompt chunks")
+    ]
+    prefill_tokens_with_decodes: Annotated[
+        int,
+        Meta(description="prompt tokens a step carries while answers are decoding (0: no limit)"),
+    ]
     blocks_in_use: int
     blocks_cached: int
     blocks_free: int
