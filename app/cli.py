@@ -300,9 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--prefill-tokens-with-decodes",
         type=int,
-        default=64,
-        help="prompt tokens per engine step while answers are decoding; 0: up to "
-        "--max-batched-tokens (default 64)",
+        default=0,
+        help="prompt tokens per engine step while answers are decoding (default 0: up to "
+        "--max-batched-tokens)",
     )
     s.add_argument(
         "--advertise-url",

@@ -111,7 +111,7 @@ class EngineRunner:
         max_waiting: int = 256,
         pin_budget: float = 0.25,
         max_num_batched_tokens: int = 512,
-        prefill_tokens_with_decodes: int = 64,
+        prefill_tokens_with_decodes: int = 0,
         observer: Any = None,  # ServiceMetrics, or None
         kv_tier: TierConfig | None = None,
     ):

@@ -100,7 +100,7 @@ class Settings:
     kv_cache_gib: float | None = None
     pin_budget: float = 0.25  # share of the KV pool pinned manuals may hold
     max_num_batched_tokens: int = 512  # tokens per engine step (decodes + prompt chunks)
-    prefill_tokens_with_decodes: int = 64  # prompt tokens per step while answers decode
+    prefill_tokens_with_decodes: int = 0  # prompt tokens per step while answers decode (0: off)
     max_tokens_cap: int = MAX_TOKENS_CAP
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     max_upload_bytes: int = MAX_UPLOAD_BYTES

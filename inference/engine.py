@@ -215,7 +215,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's context length
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
-    prefill_tokens_with_decodes: int = 64  # SchedulerConfig.prefill_tokens_with_decodes
+    prefill_tokens_with_decodes: int = 0  # SchedulerConfig.prefill_tokens_with_decodes
     pin_budget: float = 0.25  # share of the KV pool that pinned prefixes may hold
     attention_backend: str | None = None  # auto | torch | triton (env DOCQA_ATTENTION_BACKEND)
     random_weights_seed: int | None = None  # benchmarks: random weights, no weight files

@@ -33,8 +33,8 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # requests running at once
     # prompt tokens a step may carry while answers are decoding (0: up to the step's budget):
     # a burst of questions is spread over a few steps instead of stalling every answer for
-    # one long step
-    prefill_tokens_with_decodes: int = 64
+    # one long step, but prompts of a few hundred tokens then queue behind one another
+    prefill_tokens_with_decodes: int = 0
     # a request waiting longer than this is admitted in arrival order, ahead of requests that
     # would otherwise go first for their longer cached prefix
     fairness_window_s: float = 2.0

@@ -252,7 +252,7 @@ def test_engine_info_metrics_and_schema(api):
     assert e["model"] == "SmolLM2-135M-Instruct"
     assert e["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * {"bfloat16": 2, "float32": 4}[e["kv_dtype"]]
     assert e["kv_capacity_tokens"] == e["kv_capacity_blocks"] * e["block_size"]
-    assert (e["max_batched_tokens"], e["prefill_tokens_with_decodes"]) == (512, 64)  # defaults
+    assert (e["max_batched_tokens"], e["prefill_tokens_with_decodes"]) == (512, 0)  # defaults
     assert e["attention_backend"] == "cpu"  # the compiled CPU kernels (gcc is here)
     # 134.5 M linear weights: in float32 the GGUF's Q4_1 layers and Q8_0 output stay in their
     # blocks (0.75 and 1.125 bytes a weight); bf16 kernels hold 2 bytes a weight
