@@ -728,9 +728,7 @@ static inline __m512 bf_exp(__m512 x) {
  * softmax they save. Measured on Zen 4: prompt groups (30 rows) 10% faster in lanes, decode
  * groups of 18 and 30 rows faster, of 12 rows (4 answers about a manual) slower. */
 #define BF_WIDE_ROWS 16
-#ifndef BF_FETCH_PAIRS
-#define BF_FETCH_PAIRS 8
-#endif
+#define BF_FETCH_PAIRS 8 /* pairs of the 4-row scores between two fetches of the next round */
 #define BF_WIDE_BLOCKS 3 /* blocks of 16 rows whose scores share each K broadcast */
 #define BF_MAX_DIM 128
 
@@ -965,34 +963,33 @@ int docqa_attention_amx_init(void) {
 int docqa_attention_amx_init(void) { return -1; }
 #endif
 
-/* Raw scores of the round's keys for NB blocks of 16 rows in lanes (row blocks bi0 ..
- * bi0 + NB - 1 of qT, the queries by pairs): S[b][j] = the products of key j's pairs with the
- * block's rows, summed over the pairs in order. Each K pair is broadcast once for the NB
- * blocks, KEYS keys at a time (NB * KEYS sums in registers). Keys at or past n are left as
- * any key's scores: the softmax masks them. */
+/* Raw scores of the round's keys j0 .. j0 + KEYS - 1 for NB blocks of 16 rows in lanes (row
+ * blocks bi0 .. bi0 + NB - 1 of qT, the queries by pairs): S[b][j] = the products of key j's
+ * pairs with the block's rows, summed over the pairs in order. Each K pair is broadcast once
+ * for the NB blocks (NB * KEYS sums in registers). Keys at or past n are left as any key's
+ * scores: the softmax masks them. */
 static inline __attribute__((always_inline)) void bf_wide_scores(
     __m512 S[][ROUND], const __m512i qT[][BF_MAX_DIM / 2], int bi0, const int NB,
     const int KEYS, const uint16_t *k_cache, const int64_t *row_at, int n, const int NP,
     int j0) {
-    {
-        __m512 a[NB][KEYS];
-        const uint32_t *kr[KEYS];
-        for (int i = 0; i < KEYS; i++) {
-            for (int b = 0; b < NB; b++) a[b][i] = _mm512_setzero_ps();
-            /* keys past the round's are masked: any row will do */
-            kr[i] = (const uint32_t *)(k_cache + row_at[j0 + i < n ? j0 + i : 0]);
-        }
-        if (j0 < n)
-            for (int p = 0; p < NP; p++)
-                for (int i = 0; i < KEYS; i++) {
-                    const __m512bh kb = (__m512bh)_mm512_set1_epi32((int)kr[i][p]);
-                    for (int b = 0; b < NB; b++)
-                        a[b][i] = _mm512_dpbf16_ps(a[b][i], kb, (__m512bh)qT[bi0 + b][p]);
-                }
-        for (int i = 0; i < KEYS; i++)
-            for (int b = 0; b < NB; b++) S[b][j0 + i] = a[b][i];
+    __m512 a[NB][KEYS];
+    const uint32_t *kr[KEYS];
+    for (int i = 0; i < KEYS; i++) {
+        for (int b = 0; b < NB; b++) a[b][i] = _mm512_setzero_ps();
+        /* keys past the round's are masked: any row will do */
+        kr[i] = (const uint32_t *)(k_cache + row_at[j0 + i < n ? j0 + i : 0]);
     }
+    if (j0 < n)
+        for (int p = 0; p < NP; p++)
+            for (int i = 0; i < KEYS; i++) {
+                const __m512bh kb = (__m512bh)_mm512_set1_epi32((int)kr[i][p]);
+                for (int b = 0; b < NB; b++)
+                    a[b][i] = _mm512_dpbf16_ps(a[b][i], kb, (__m512bh)qT[bi0 + b][p]);
+            }
+    for (int i = 0; i < KEYS; i++)
+        for (int b = 0; b < NB; b++) S[b][j0 + i] = a[b][i];
 }
+_Static_assert(BF_WIDE_BLOCKS == 3, "bf_run_keys calls bf_wide_scores for 3, 2 or 1 blocks");
 
 /* Keys [from, to) of one table for rows [lo, hi); from is a multiple of ROUND. DIM is 64 or
  * 128 and AMX 0 or 1 (compile-time constants in each caller). With AMX the scores and the
