@@ -731,6 +731,7 @@ static inline __m512 bf_exp(__m512 x) {
 #define BF_FETCH_PAIRS 8 /* pairs of the 4-row scores between two fetches of the next round */
 #define BF_WIDE_BLOCKS 3 /* blocks of 16 rows whose scores share each K broadcast */
 #define BF_MAX_DIM 128
+#define BF_AMX_SPOTS 18 /* places in a block of 16 rows on the tile unit that fetch ahead */
 
 typedef struct {
     __m512 acc[BF_MAX_ROWS][BF_MAX_DIM / 16];
@@ -1042,7 +1043,8 @@ static inline __attribute__((always_inline)) void bf_run_keys(
             float ov[16][16] __attribute__((aligned(64)));
             for (int b0 = lo; b0 < hi; b0 += 16) {
                 const int rows = hi - b0 < 16 ? hi - b0 : 16;
-                BF_FETCH((b0 - lo) / 16, (hi - lo + 15) / 16);
+                const int bi = (b0 - lo) / 16, nbk = (hi - lo + 15) / 16;
+                BF_FETCH(bi * BF_AMX_SPOTS, nbk * BF_AMX_SPOTS);
                 /* scores: tile kb holds keys 16 kb .. 16 kb + 15, summed over the head's 32-dim
                  * chunks in order */
                 _tile_zero(0);
@@ -1068,6 +1070,7 @@ static inline __attribute__((always_inline)) void bf_run_keys(
                     __m512 s[ROUND / 16];
                     for (int kb = 0; kb < ROUND / 16; kb++) s[kb] = _mm512_load_ps(&sc[i][16 * kb]);
                     bf_softmax_row(st, b0 + i, s, r0, scale, pw[b0 + i], NV);
+                    BF_FETCH(bi * BF_AMX_SPOTS + 1 + i, nbk * BF_AMX_SPOTS);
                 }
                 /* weighted values, four 16-dim vectors at a time: the round's two 32-key halves
                  * summed in order from zero, then added to the outputs */
@@ -1098,6 +1101,7 @@ static inline __attribute__((always_inline)) void bf_run_keys(
                     BF_ADD_TILE(3)
 #undef BF_ADD_TILE
                 }
+                BF_FETCH(bi * BF_AMX_SPOTS + BF_AMX_SPOTS - 1, nbk * BF_AMX_SPOTS);
             }
             continue;
         }
