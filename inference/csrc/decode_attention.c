@@ -732,6 +732,12 @@ static inline __m512 bf_exp(__m512 x) {
 #define BF_WIDE_BLOCKS 3 /* blocks of 16 rows whose scores share each K broadcast */
 #define BF_MAX_DIM 128
 #define BF_AMX_SPOTS 18 /* places in a block of 16 rows on the tile unit that fetch ahead */
+/* blocks of more rows than this on the tile unit take the softmax with the rows in lanes
+ * (bf_softmax_rows), fewer row by row (bf_softmax_row: the same bits). Measured on a 2-core
+ * Xeon: 16-row prompt blocks 10-15% faster in lanes, the same at 12 rows (4 answers about a
+ * manual), where the lanes' 16 exponentials a key cost as much as the rows' own */
+#define BF_AMX_LANES 12
+#define BF_QT_W (BF_MAX_ROWS + 16) /* columns of the queries by pairs (rows, then zeros) */
 
 typedef struct {
     __m512 acc[BF_MAX_ROWS][BF_MAX_DIM / 16];
@@ -960,6 +966,62 @@ int docqa_attention_amx_init(void) {
     return 0;
 }
 
+/* Keys by rows: sc_t[j][r] = the raw score of the round's key j against row b0 + r, from
+ * tile products of the K rows as they lie in the pool (16 keys a tile: one block's run when
+ * blocks hold a multiple of 16 tokens, else copied to a buffer) and the queries by pairs
+ * (qtt[p][row]: 16 rows' pair p in a tile row). Each element is the key's pairs against the
+ * row's, summed in order, as a tile of rows by keys would sum them (the same bits), and the
+ * K rows need no transpose. Keys at or past n score zero or any value: the softmax masks
+ * them. */
+static inline __attribute__((always_inline)) void bf_lane_scores(
+    float sc_t[][16], const uint32_t *qtt, int b0, const uint16_t *k_cache,
+    const int64_t *row_at, int n, int64_t key_stride, int block_size, const int DIM) {
+    const int CH = DIM / 32;
+    const int in_place = block_size % 16 == 0; /* 16 keys from a multiple of 16: one block */
+    uint16_t kbuf[4][16][BF_MAX_DIM] __attribute__((aligned(64)));
+    const uint16_t *kp[4];
+    int64_t kstride[4];
+    for (int kb = 0; kb < 4; kb++) {
+        const int j0 = 16 * kb;
+        if (j0 >= n) { /* no key: a tile of zero rows */
+            memset(kbuf[kb], 0, sizeof(kbuf[kb]));
+            kp[kb] = &kbuf[kb][0][0];
+            kstride[kb] = BF_MAX_DIM * 2;
+        } else if (in_place) {
+            kp[kb] = k_cache + row_at[j0];
+            kstride[kb] = key_stride * 2;
+        } else {
+            for (int i = 0; i < 16; i++) {
+                if (j0 + i < n)
+                    memcpy(kbuf[kb][i], k_cache + row_at[j0 + i], DIM * 2);
+                else
+                    memset(kbuf[kb][i], 0, DIM * 2);
+            }
+            kp[kb] = &kbuf[kb][0][0];
+            kstride[kb] = BF_MAX_DIM * 2;
+        }
+    }
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int c = 0; c < CH; c++) {
+        _tile_loadd(6, qtt + (int64_t)(16 * c) * BF_QT_W + b0, BF_QT_W * 4);
+        _tile_loadd(4, kp[0] + c * 32, kstride[0]);
+        _tile_loadd(5, kp[1] + c * 32, kstride[1]);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        _tile_loadd(4, kp[2] + c * 32, kstride[2]);
+        _tile_loadd(5, kp[3] + c * 32, kstride[3]);
+        _tile_dpbf16ps(2, 4, 6);
+        _tile_dpbf16ps(3, 5, 6);
+    }
+    _tile_stored(0, &sc_t[0][0], 64);
+    _tile_stored(1, &sc_t[16][0], 64);
+    _tile_stored(2, &sc_t[32][0], 64);
+    _tile_stored(3, &sc_t[48][0], 64);
+}
+
 #else
 int docqa_attention_amx_init(void) { return -1; }
 #endif
@@ -996,13 +1058,13 @@ _Static_assert(BF_WIDE_BLOCKS == 3, "bf_run_keys calls bf_wide_scores for 3, 2 o
  * 128 and AMX 0 or 1 (compile-time constants in each caller). With AMX the scores and the
  * weighted values are tile products (16 rows a tile, each row's result from its own row
  * alone; the round's values summed in a tile from zero, then added to the row's rescaled
- * output), qt holding the unit's queries (row r at qt + r * DIM, zero past its rows: tiles
- * read 16 rows from lo); without, vdpbf16ps products of broadcast query pairs, four rows at a
+ * output): the scores keys by rows (bf_lane_scores, qtt holding the unit's queries by
+ * pairs), so K needs no staging; without, vdpbf16ps products of broadcast query pairs, four rows at a
  * time, or for walks of BF_WIDE_ROWS or more, of broadcast K pairs read in place against the
  * queries laid out by pairs, 16 rows in lanes (bf_softmax_rows: the same bits). The V staging
  * and the softmax's arithmetic are the same on every path. */
 static inline __attribute__((always_inline)) void bf_run_keys(
-    BfRows *st, int lo, int hi, const uint16_t *qt, const uint16_t *k_cache,
+    BfRows *st, int lo, int hi, const uint32_t *qtt, const uint16_t *k_cache,
     const uint16_t *v_cache, const int32_t *table, int from, int to, int kv_head,
     int num_kv_heads, const int DIM, int block_size, float scale, const int AMX) {
     const int CH = DIM / 32;   /* 64-byte chunks of a K/V row */
@@ -1025,7 +1087,7 @@ static inline __attribute__((always_inline)) void bf_run_keys(
                 for (int r = 0; r < 16; r++) lane[r] = b0 + r < hi ? st->q[b0 + r][p] : 0;
                 qT[bi][p] = _mm512_load_si512(lane);
             }
-    (void)qt, (void)CH, (void)NP;
+    (void)qtt, (void)key_stride, (void)CH, (void)NP;
     if (AMX) { /* tiles read whole blocks of 16 rows from lo: the rows past hi weigh zero */
         const int end = lo + (hi - lo + 15) / 16 * 16;
         memset(pw[hi], 0, sizeof(pw[0]) * (end - hi));
@@ -1036,41 +1098,46 @@ static inline __attribute__((always_inline)) void bf_run_keys(
         const int n = to - r0 < ROUND ? to - r0 : ROUND;
         const int64_t *row_at = at[cur];
         BF_NEXT_ROUND();
-        bf_stage(kt, vp, k_cache, v_cache, row_at, n, DIM, !wide);
+        bf_stage(kt, vp, k_cache, v_cache, row_at, n, DIM, !wide && !AMX);
 #ifdef BF_AMX
         if (AMX) {
             float sc[16][ROUND] __attribute__((aligned(64)));
+            float sc_t[ROUND][16] __attribute__((aligned(64)));
             float ov[16][16] __attribute__((aligned(64)));
             for (int b0 = lo; b0 < hi; b0 += 16) {
                 const int rows = hi - b0 < 16 ? hi - b0 : 16;
                 const int bi = (b0 - lo) / 16, nbk = (hi - lo + 15) / 16;
                 BF_FETCH(bi * BF_AMX_SPOTS, nbk * BF_AMX_SPOTS);
-                /* scores: tile kb holds keys 16 kb .. 16 kb + 15, summed over the head's 32-dim
-                 * chunks in order */
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int c = 0; c < CH; c++) {
-                    _tile_loadd(4, qt + (int64_t)b0 * DIM + c * 32, DIM * 2);
-                    _tile_loadd(6, &kt[c * 16][0], sizeof(kt[0]));
-                    _tile_loadd(7, &kt[c * 16][1], sizeof(kt[0]));
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    _tile_loadd(6, &kt[c * 16][2], sizeof(kt[0]));
-                    _tile_loadd(7, &kt[c * 16][3], sizeof(kt[0]));
-                    _tile_dpbf16ps(2, 4, 6);
-                    _tile_dpbf16ps(3, 4, 7);
-                }
-                _tile_stored(0, &sc[0][0], sizeof(sc[0]));
-                _tile_stored(1, &sc[0][16], sizeof(sc[0]));
-                _tile_stored(2, &sc[0][32], sizeof(sc[0]));
-                _tile_stored(3, &sc[0][48], sizeof(sc[0]));
-                for (int i = 0; i < rows; i++) {
-                    __m512 s[ROUND / 16];
-                    for (int kb = 0; kb < ROUND / 16; kb++) s[kb] = _mm512_load_ps(&sc[i][16 * kb]);
-                    bf_softmax_row(st, b0 + i, s, r0, scale, pw[b0 + i], NV);
-                    BF_FETCH(bi * BF_AMX_SPOTS + 1 + i, nbk * BF_AMX_SPOTS);
+                /* scores keys by rows: tile kb holds keys 16 kb .. 16 kb + 15 against the block's
+                 * rows, each a key's pairs against a row's, summed over the head's 32-dim chunks
+                 * in order */
+                bf_lane_scores(sc_t, qtt, b0, k_cache, row_at, n, key_stride, block_size, DIM);
+                BF_FETCH(bi * BF_AMX_SPOTS + 1, nbk * BF_AMX_SPOTS);
+                if (rows > BF_AMX_LANES) {
+                    __m512 S[ROUND];
+                    for (int j = 0; j < ROUND; j++) S[j] = _mm512_load_ps(sc_t[j]);
+                    bf_softmax_rows(st, b0, rows, S, r0, scale, pwt, NV);
+                    BF_FETCH(bi * BF_AMX_SPOTS + 9, nbk * BF_AMX_SPOTS);
+                    /* the weights by rows for the tile products: pw[row][k2] */
+                    for (int h = 0; h < 2; h++) {
+                        __m512i t[16];
+                        for (int i = 0; i < 16; i++) t[i] = _mm512_load_si512(pwt[16 * h + i]);
+                        transpose16(t);
+                        for (int r = 0; r < 16; r++) _mm512_store_si512(&pw[b0 + r][16 * h], t[r]);
+                    }
+                } else { /* the scores back to keys in lanes, then row by row */
+                    for (int kb = 0; kb < ROUND / 16; kb++) {
+                        __m512i t[16];
+                        for (int j = 0; j < 16; j++) t[j] = _mm512_load_si512(sc_t[16 * kb + j]);
+                        transpose16(t);
+                        for (int r = 0; r < 16; r++) _mm512_store_si512(&sc[r][16 * kb], t[r]);
+                    }
+                    for (int i = 0; i < rows; i++) {
+                        __m512 s[ROUND / 16];
+                        for (int kb = 0; kb < ROUND / 16; kb++) s[kb] = _mm512_load_ps(&sc[i][16 * kb]);
+                        bf_softmax_row(st, b0 + i, s, r0, scale, pw[b0 + i], NV);
+                        BF_FETCH(bi * BF_AMX_SPOTS + 2 + i, nbk * BF_AMX_SPOTS);
+                    }
                 }
                 /* weighted values, four 16-dim vectors at a time: the round's two 32-key halves
                  * summed in order from zero, then added to the outputs */
@@ -1182,13 +1249,16 @@ static inline __attribute__((always_inline)) void bf_unit(
             st.l[r] = 0.0f;
             for (int v = 0; v < NV; v++) st.acc[r][v] = _mm512_setzero_ps();
         }
-    uint16_t *qt = NULL;
+    uint32_t *qtt = NULL;
 #ifdef BF_AMX
-    uint16_t qbuf[(BF_MAX_ROWS + 16) * BF_MAX_DIM] __attribute__((aligned(64)));
-    if (amx_ok) { /* the unit's queries packed for tile loads, zero past its rows */
-        qt = qbuf;
-        for (int r = 0; r < rows; r++) memcpy(qt + r * DIM, st.q[r], DIM * 2);
-        memset(qt + rows * DIM, 0, sizeof(uint16_t) * 16 * DIM);
+    uint32_t qtbuf[BF_MAX_DIM / 2][BF_QT_W] __attribute__((aligned(64)));
+    if (amx_ok) { /* the unit's queries by pairs for tile loads (pair p of every row in a tile
+                   * row), zero past its rows: tiles read 16 rows from a walk's first */
+        qtt = &qtbuf[0][0];
+        for (int p = 0; p < DIM / 2; p++) {
+            for (int r = 0; r < rows; r++) qtbuf[p][r] = st.q[r][p];
+            memset(&qtbuf[p][rows], 0, sizeof(uint32_t) * 16);
+        }
     }
 #endif
     /* the group's shared keys for all its rows, then each token's own (the same arithmetic
@@ -1196,15 +1266,15 @@ static inline __attribute__((always_inline)) void bf_unit(
 #define BF_WALK(AMX)                                                                           \
     do {                                                                                       \
         if (shared > 0)                                                                        \
-            bf_run_keys(&st, 0, rows, qt, k_cache, v_cache, tables, 0, shared, kv_head,        \
+            bf_run_keys(&st, 0, rows, qtt, k_cache, v_cache, tables, 0, shared, kv_head,       \
                         num_kv_heads, DIM, block_size, scale, AMX);                            \
         for (int i = 0; i < members; i++)                                                      \
             if (ctx[i] > shared)                                                               \
-                bf_run_keys(&st, i * group, (i + 1) * group, qt, k_cache, v_cache,             \
+                bf_run_keys(&st, i * group, (i + 1) * group, qtt, k_cache, v_cache,            \
                             tables + i * table_stride, shared, ctx[i], kv_head, num_kv_heads,  \
                             DIM, block_size, scale, AMX);                                      \
     } while (0)
-    if (qt)
+    if (qtt)
         BF_WALK(1);
     else
         BF_WALK(0);
