@@ -734,8 +734,8 @@ static inline __m512 bf_exp(__m512 x) {
 #define BF_AMX_SPOTS 18 /* places in a block of 16 rows on the tile unit that fetch ahead */
 /* blocks of more rows than this on the tile unit take the softmax with the rows in lanes
  * (bf_softmax_rows), fewer row by row (bf_softmax_row: the same bits). Measured on a 2-core
- * Xeon: 16-row prompt blocks 10-15% faster in lanes, the same at 12 rows (4 answers about a
- * manual), where the lanes' 16 exponentials a key cost as much as the rows' own */
+ * Xeon: prompt chunks (blocks of 16 rows) 15-20% faster in lanes; 12 rows (4 answers about
+ * a manual) no faster, the lanes computing 16 exponentials a key where the rows compute 12 */
 #define BF_AMX_LANES 12
 #define BF_QT_W (BF_MAX_ROWS + 16) /* columns of the queries by pairs (rows, then zeros) */
 
@@ -973,19 +973,19 @@ int docqa_attention_amx_init(void) {
  * row's, summed in order, as a tile of rows by keys would sum them (the same bits), and the
  * K rows need no transpose. Keys at or past n score zero or any value: the softmax masks
  * them. */
-static inline __attribute__((always_inline)) void bf_lane_scores(
+static inline __attribute__((always_inline)) void bf_key_scores(
     float sc_t[][16], const uint32_t *qtt, int b0, const uint16_t *k_cache,
     const int64_t *row_at, int n, int64_t key_stride, int block_size, const int DIM) {
     const int CH = DIM / 32;
     const int in_place = block_size % 16 == 0; /* 16 keys from a multiple of 16: one block */
+    static const uint16_t no_keys[16][BF_MAX_DIM] __attribute__((aligned(64)));
     uint16_t kbuf[4][16][BF_MAX_DIM] __attribute__((aligned(64)));
     const uint16_t *kp[4];
     int64_t kstride[4];
     for (int kb = 0; kb < 4; kb++) {
         const int j0 = 16 * kb;
         if (j0 >= n) { /* no key: a tile of zero rows */
-            memset(kbuf[kb], 0, sizeof(kbuf[kb]));
-            kp[kb] = &kbuf[kb][0][0];
+            kp[kb] = &no_keys[0][0];
             kstride[kb] = BF_MAX_DIM * 2;
         } else if (in_place) {
             kp[kb] = k_cache + row_at[j0];
@@ -1058,11 +1058,11 @@ _Static_assert(BF_WIDE_BLOCKS == 3, "bf_run_keys calls bf_wide_scores for 3, 2 o
  * 128 and AMX 0 or 1 (compile-time constants in each caller). With AMX the scores and the
  * weighted values are tile products (16 rows a tile, each row's result from its own row
  * alone; the round's values summed in a tile from zero, then added to the row's rescaled
- * output): the scores keys by rows (bf_lane_scores, qtt holding the unit's queries by
- * pairs), so K needs no staging; without, vdpbf16ps products of broadcast query pairs, four rows at a
- * time, or for walks of BF_WIDE_ROWS or more, of broadcast K pairs read in place against the
- * queries laid out by pairs, 16 rows in lanes (bf_softmax_rows: the same bits). The V staging
- * and the softmax's arithmetic are the same on every path. */
+ * output), the scores keys by rows (bf_key_scores, qtt holding the unit's queries by
+ * pairs) so that K needs no staging; without, vdpbf16ps products of broadcast query pairs,
+ * four rows at a time, or for walks of BF_WIDE_ROWS or more, of broadcast K pairs read in
+ * place against the queries laid out by pairs, 16 rows in lanes (bf_softmax_rows: the same
+ * bits). The V staging and the softmax's arithmetic are the same on every path. */
 static inline __attribute__((always_inline)) void bf_run_keys(
     BfRows *st, int lo, int hi, const uint32_t *qtt, const uint16_t *k_cache,
     const uint16_t *v_cache, const int32_t *table, int from, int to, int kv_head,
@@ -1087,7 +1087,7 @@ static inline __attribute__((always_inline)) void bf_run_keys(
                 for (int r = 0; r < 16; r++) lane[r] = b0 + r < hi ? st->q[b0 + r][p] : 0;
                 qT[bi][p] = _mm512_load_si512(lane);
             }
-    (void)qtt, (void)key_stride, (void)CH, (void)NP;
+    (void)qtt, (void)CH, (void)NP;
     if (AMX) { /* tiles read whole blocks of 16 rows from lo: the rows past hi weigh zero */
         const int end = lo + (hi - lo + 15) / 16 * 16;
         memset(pw[hi], 0, sizeof(pw[0]) * (end - hi));
@@ -1111,7 +1111,7 @@ static inline __attribute__((always_inline)) void bf_run_keys(
                 /* scores keys by rows: tile kb holds keys 16 kb .. 16 kb + 15 against the block's
                  * rows, each a key's pairs against a row's, summed over the head's 32-dim chunks
                  * in order */
-                bf_lane_scores(sc_t, qtt, b0, k_cache, row_at, n, key_stride, block_size, DIM);
+                bf_key_scores(sc_t, qtt, b0, k_cache, row_at, n, key_stride, block_size, DIM);
                 BF_FETCH(bi * BF_AMX_SPOTS + 1, nbk * BF_AMX_SPOTS);
                 if (rows > BF_AMX_LANES) {
                     __m512 S[ROUND];
@@ -1134,7 +1134,8 @@ static inline __attribute__((always_inline)) void bf_run_keys(
                     }
                     for (int i = 0; i < rows; i++) {
                         __m512 s[ROUND / 16];
-                        for (int kb = 0; kb < ROUND / 16; kb++) s[kb] = _mm512_load_ps(&sc[i][16 * kb]);
+                        for (int kb = 0; kb < ROUND / 16; kb++)
+                            s[kb] = _mm512_load_ps(&sc[i][16 * kb]);
                         bf_softmax_row(st, b0 + i, s, r0, scale, pw[b0 + i], NV);
                         BF_FETCH(bi * BF_AMX_SPOTS + 2 + i, nbk * BF_AMX_SPOTS);
                     }
