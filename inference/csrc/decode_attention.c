@@ -773,7 +773,8 @@ static inline void transpose16(__m512i r[16]) {
 /* The round's K rows transposed into pairs by keys (kt[p][kb] lane j: pair p of key
  * 16 kb + j) and its V rows interleaved in pairs of consecutive keys (vp[k2][v]: keys 2 k2 and
  * 2 k2 + 1 of 16 dims, v = 2c + h, lane 4L + e holding dim 32c + 8L + 4h + e); keys at or past
- * n are zero. The K rows only when with_k (walks with their rows in lanes read K in place). */
+ * n are zero. The K rows only when with_k (walks with their rows in lanes, and the tile unit,
+ * read K in place). */
 static inline __attribute__((always_inline)) void bf_stage(
     __m512i kt[][ROUND / 16], __m512i vp[][BF_MAX_DIM / 16], const uint16_t *k_cache,
     const uint16_t *v_cache, const int64_t *row_at, int n, const int DIM, int with_k) {
@@ -966,53 +967,60 @@ int docqa_attention_amx_init(void) {
     return 0;
 }
 
-/* Keys by rows: sc_t[j][r] = the raw score of the round's key j against row b0 + r, from
- * tile products of the K rows as they lie in the pool (16 keys a tile: one block's run when
- * blocks hold a multiple of 16 tokens, else copied to a buffer) and the queries by pairs
- * (qtt[p][row]: 16 rows' pair p in a tile row). Each element is the key's pairs against the
- * row's, summed in order, as a tile of rows by keys would sum them (the same bits), and the
- * K rows need no transpose. Keys at or past n score zero or any value: the softmax masks
- * them. */
-static inline __attribute__((always_inline)) void bf_key_scores(
-    float sc_t[][16], const uint32_t *qtt, int b0, const uint16_t *k_cache,
-    const int64_t *row_at, int n, int64_t key_stride, int block_size, const int DIM) {
-    const int CH = DIM / 32;
-    const int in_place = block_size % 16 == 0; /* 16 keys from a multiple of 16: one block */
+/* A round's K rows as the A operands of four tiles of 16 keys each: in place where the 16 keys
+ * are one block's run (blocks of a multiple of 16 tokens), else copied to a buffer; keys at or
+ * past n read zeros. Set once per round, read by every block of rows. */
+typedef struct {
+    const uint16_t *at[4];
+    int64_t stride[4]; /* bytes */
+    uint16_t buf[4][16][BF_MAX_DIM] __attribute__((aligned(64)));
+} BfKeyTiles;
+
+static inline __attribute__((always_inline)) void bf_key_tiles(
+    BfKeyTiles *kt, const uint16_t *k_cache, const int64_t *row_at, int n, int64_t key_stride,
+    int block_size, const int DIM) {
     static const uint16_t no_keys[16][BF_MAX_DIM] __attribute__((aligned(64)));
-    uint16_t kbuf[4][16][BF_MAX_DIM] __attribute__((aligned(64)));
-    const uint16_t *kp[4];
-    int64_t kstride[4];
+    const int in_place = block_size % 16 == 0; /* 16 keys from a multiple of 16: one block */
     for (int kb = 0; kb < 4; kb++) {
         const int j0 = 16 * kb;
         if (j0 >= n) { /* no key: a tile of zero rows */
-            kp[kb] = &no_keys[0][0];
-            kstride[kb] = BF_MAX_DIM * 2;
+            kt->at[kb] = &no_keys[0][0];
+            kt->stride[kb] = BF_MAX_DIM * 2;
         } else if (in_place) {
-            kp[kb] = k_cache + row_at[j0];
-            kstride[kb] = key_stride * 2;
+            kt->at[kb] = k_cache + row_at[j0];
+            kt->stride[kb] = key_stride * 2;
         } else {
             for (int i = 0; i < 16; i++) {
                 if (j0 + i < n)
-                    memcpy(kbuf[kb][i], k_cache + row_at[j0 + i], DIM * 2);
+                    memcpy(kt->buf[kb][i], k_cache + row_at[j0 + i], DIM * 2);
                 else
-                    memset(kbuf[kb][i], 0, DIM * 2);
+                    memset(kt->buf[kb][i], 0, DIM * 2);
             }
-            kp[kb] = &kbuf[kb][0][0];
-            kstride[kb] = BF_MAX_DIM * 2;
+            kt->at[kb] = &kt->buf[kb][0][0];
+            kt->stride[kb] = BF_MAX_DIM * 2;
         }
     }
+}
+
+/* Keys by rows: sc_t[j][r] = the raw score of the round's key j against row b0 + r, from
+ * tile products of the round's K tiles and the queries by pairs (qtt[p][row]: 16 rows' pair p
+ * in a tile row). Each element is the key's pairs against the row's, summed in order, as a
+ * tile of rows by keys would sum them (the same bits), and the K rows need no transpose. Keys
+ * at or past n score zero: the softmax masks them. */
+static inline __attribute__((always_inline)) void bf_key_scores(
+    float sc_t[][16], const uint32_t *qtt, int b0, const BfKeyTiles *kt, const int DIM) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    for (int c = 0; c < CH; c++) {
+    for (int c = 0; c < DIM / 32; c++) {
         _tile_loadd(6, qtt + (int64_t)(16 * c) * BF_QT_W + b0, BF_QT_W * 4);
-        _tile_loadd(4, kp[0] + c * 32, kstride[0]);
-        _tile_loadd(5, kp[1] + c * 32, kstride[1]);
+        _tile_loadd(4, kt->at[0] + c * 32, kt->stride[0]);
+        _tile_loadd(5, kt->at[1] + c * 32, kt->stride[1]);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 5, 6);
-        _tile_loadd(4, kp[2] + c * 32, kstride[2]);
-        _tile_loadd(5, kp[3] + c * 32, kstride[3]);
+        _tile_loadd(4, kt->at[2] + c * 32, kt->stride[2]);
+        _tile_loadd(5, kt->at[3] + c * 32, kt->stride[3]);
         _tile_dpbf16ps(2, 4, 6);
         _tile_dpbf16ps(3, 5, 6);
     }
@@ -1067,7 +1075,6 @@ static inline __attribute__((always_inline)) void bf_run_keys(
     BfRows *st, int lo, int hi, const uint32_t *qtt, const uint16_t *k_cache,
     const uint16_t *v_cache, const int32_t *table, int from, int to, int kv_head,
     int num_kv_heads, const int DIM, int block_size, float scale, const int AMX) {
-    const int CH = DIM / 32;   /* 64-byte chunks of a K/V row */
     const int NP = DIM / 2;    /* bf16 pairs of a row */
     const int NV = DIM / 16;   /* output vectors of a row */
     const int64_t key_stride = (int64_t)num_kv_heads * DIM;
@@ -1087,7 +1094,7 @@ static inline __attribute__((always_inline)) void bf_run_keys(
                 for (int r = 0; r < 16; r++) lane[r] = b0 + r < hi ? st->q[b0 + r][p] : 0;
                 qT[bi][p] = _mm512_load_si512(lane);
             }
-    (void)qtt, (void)CH, (void)NP;
+    (void)qtt, (void)NP;
     if (AMX) { /* tiles read whole blocks of 16 rows from lo: the rows past hi weigh zero */
         const int end = lo + (hi - lo + 15) / 16 * 16;
         memset(pw[hi], 0, sizeof(pw[0]) * (end - hi));
@@ -1104,6 +1111,8 @@ static inline __attribute__((always_inline)) void bf_run_keys(
             float sc[16][ROUND] __attribute__((aligned(64)));
             float sc_t[ROUND][16] __attribute__((aligned(64)));
             float ov[16][16] __attribute__((aligned(64)));
+            BfKeyTiles ktiles;
+            bf_key_tiles(&ktiles, k_cache, row_at, n, key_stride, block_size, DIM);
             for (int b0 = lo; b0 < hi; b0 += 16) {
                 const int rows = hi - b0 < 16 ? hi - b0 : 16;
                 const int bi = (b0 - lo) / 16, nbk = (hi - lo + 15) / 16;
@@ -1111,7 +1120,7 @@ static inline __attribute__((always_inline)) void bf_run_keys(
                 /* scores keys by rows: tile kb holds keys 16 kb .. 16 kb + 15 against the block's
                  * rows, each a key's pairs against a row's, summed over the head's 32-dim chunks
                  * in order */
-                bf_key_scores(sc_t, qtt, b0, k_cache, row_at, n, key_stride, block_size, DIM);
+                bf_key_scores(sc_t, qtt, b0, &ktiles, DIM);
                 BF_FETCH(bi * BF_AMX_SPOTS + 1, nbk * BF_AMX_SPOTS);
                 if (rows > BF_AMX_LANES) {
                     __m512 S[ROUND];
