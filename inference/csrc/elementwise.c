@@ -90,7 +90,8 @@ int docqa_silu_mul_bf16(const uint16_t *gu, int64_t ldg, int rows, int inter, ui
         for (int i = 0; i < inter; i++) {
             const float a = bf2f(g[i]);
             const float e = exp_nonpositive(-fabsf(a)); /* exp(-|a|) */
-            const float sig = a >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+            /* the sigmoid: 1 / (1 + e) for a >= 0, else e / (1 + e) (one division) */
+            const float sig = (a >= 0.0f ? 1.0f : e) / (1.0f + e);
             o[i] = f2bf(a * sig * bf2f(u[i]));
         }
     }
