@@ -1034,15 +1034,15 @@ static inline __attribute__((always_inline)) void bf_key_scores(
 int docqa_attention_amx_init(void) { return -1; }
 #endif
 
-/* Raw scores of the round's keys j0 .. j0 + KEYS - 1 for NB blocks of 16 rows in lanes (row
- * blocks bi0 .. bi0 + NB - 1 of qT, the queries by pairs): S[b][j] = the products of key j's
- * pairs with the block's rows, summed over the pairs in order. Each K pair is broadcast once
- * for the NB blocks (NB * KEYS sums in registers). Keys at or past n are left as any key's
- * scores: the softmax masks them. */
+/* Raw scores of the round's keys j0 .. j0 + KEYS - 1 for NB blocks of 16 rows in lanes (the
+ * rows from b0 on, in the unit's queries by pairs qtt: pair p of row r at qtt[p * BF_QT_W +
+ * r]): S[b][j] = the products of key j's pairs with block b's rows, summed over the pairs in
+ * order. Each K pair is broadcast once for the NB blocks (NB * KEYS sums in registers). Keys
+ * at or past n are left as any key's scores, and lanes past a walk's rows as any row's: the
+ * softmax masks both. */
 static inline __attribute__((always_inline)) void bf_wide_scores(
-    __m512 S[][ROUND], const __m512i qT[][BF_MAX_DIM / 2], int bi0, const int NB,
-    const int KEYS, const uint16_t *k_cache, const int64_t *row_at, int n, const int NP,
-    int j0) {
+    __m512 S[][ROUND], const uint32_t *qtt, int b0, const int NB, const int KEYS,
+    const uint16_t *k_cache, const int64_t *row_at, int n, const int NP, int j0) {
     __m512 a[NB][KEYS];
     const uint32_t *kr[KEYS];
     for (int i = 0; i < KEYS; i++) {
@@ -1055,7 +1055,9 @@ static inline __attribute__((always_inline)) void bf_wide_scores(
             for (int i = 0; i < KEYS; i++) {
                 const __m512bh kb = (__m512bh)_mm512_set1_epi32((int)kr[i][p]);
                 for (int b = 0; b < NB; b++)
-                    a[b][i] = _mm512_dpbf16_ps(a[b][i], kb, (__m512bh)qT[bi0 + b][p]);
+                    a[b][i] = _mm512_dpbf16_ps(
+                        a[b][i], kb,
+                        (__m512bh)_mm512_loadu_si512(qtt + (int64_t)p * BF_QT_W + b0 + 16 * b));
             }
     for (int i = 0; i < KEYS; i++)
         for (int b = 0; b < NB; b++) S[b][j0 + i] = a[b][i];
@@ -1069,7 +1071,7 @@ _Static_assert(BF_WIDE_BLOCKS == 3, "bf_run_keys calls bf_wide_scores for 3, 2 o
  * output), the scores keys by rows (bf_key_scores, qtt holding the unit's queries by
  * pairs) so that K needs no staging; without, vdpbf16ps products of broadcast query pairs,
  * four rows at a time, or for walks of BF_WIDE_ROWS or more, of broadcast K pairs read in
- * place against the queries laid out by pairs, 16 rows in lanes (bf_softmax_rows: the same
+ * place against the queries by pairs (qtt again), 16 rows in lanes (bf_softmax_rows: the same
  * bits). The V staging and the softmax's arithmetic are the same on every path. */
 static inline __attribute__((always_inline)) void bf_run_keys(
     BfRows *st, int lo, int hi, const uint32_t *qtt, const uint16_t *k_cache,
@@ -1083,17 +1085,9 @@ static inline __attribute__((always_inline)) void bf_run_keys(
     uint32_t pw[BF_MAX_ROWS + 16][ROUND / 2] __attribute__((aligned(64)));
     int64_t at[2][ROUND]; /* element offset of each key's row: this round, the next */
     /* walks of many rows take them in lanes (bf_softmax_rows): the K rows need no transpose,
-     * and 16 rows share each softmax instruction; the queries are laid out by pairs once */
+     * and 16 rows share each softmax instruction (the queries by pairs, qtt) */
     const int wide = !AMX && hi - lo >= BF_WIDE_ROWS;
-    __m512i qT[BF_MAX_ROWS / 16][BF_MAX_DIM / 2];
     uint32_t pwt[ROUND / 2][16] __attribute__((aligned(64)));
-    if (wide)
-        for (int b0 = lo, bi = 0; b0 < hi; b0 += 16, bi++)
-            for (int p = 0; p < NP; p++) {
-                uint32_t lane[16] __attribute__((aligned(64)));
-                for (int r = 0; r < 16; r++) lane[r] = b0 + r < hi ? st->q[b0 + r][p] : 0;
-                qT[bi][p] = _mm512_load_si512(lane);
-            }
     (void)qtt, (void)NP;
     if (AMX) { /* tiles read whole blocks of 16 rows from lo: the rows past hi weigh zero */
         const int end = lo + (hi - lo + 15) / 16 * 16;
@@ -1193,11 +1187,11 @@ static inline __attribute__((always_inline)) void bf_run_keys(
                     BF_FETCH(bi0 / BF_WIDE_BLOCKS * steps + j0 / keys,
                              (blocks + BF_WIDE_BLOCKS - 1) / BF_WIDE_BLOCKS * steps);
                     if (nb == 3)
-                        bf_wide_scores(S, qT, bi0, 3, 8, k_cache, row_at, n, NP, j0);
+                        bf_wide_scores(S, qtt, lo + 16 * bi0, 3, 8, k_cache, row_at, n, NP, j0);
                     else if (nb == 2)
-                        bf_wide_scores(S, qT, bi0, 2, 8, k_cache, row_at, n, NP, j0);
+                        bf_wide_scores(S, qtt, lo + 16 * bi0, 2, 8, k_cache, row_at, n, NP, j0);
                     else
-                        bf_wide_scores(S, qT, bi0, 1, 16, k_cache, row_at, n, NP, j0);
+                        bf_wide_scores(S, qtt, lo + 16 * bi0, 1, 16, k_cache, row_at, n, NP, j0);
                 }
                 for (int b = 0; b < nb; b++) {
                     const int b0 = lo + 16 * (bi0 + b);
@@ -1259,18 +1253,21 @@ static inline __attribute__((always_inline)) void bf_unit(
             st.l[r] = 0.0f;
             for (int v = 0; v < NV; v++) st.acc[r][v] = _mm512_setzero_ps();
         }
-    uint32_t *qtt = NULL;
 #ifdef BF_AMX
+    const int amx = amx_ok;
+#else
+    const int amx = 0;
+#endif
+    /* the unit's queries by pairs (pair p of every row in a row of qtbuf), zero past its rows,
+     * for the tile unit's score tiles and the walks with their rows in lanes: both read 16
+     * rows from a walk's first */
     uint32_t qtbuf[BF_MAX_DIM / 2][BF_QT_W] __attribute__((aligned(64)));
-    if (amx_ok) { /* the unit's queries by pairs for tile loads (pair p of every row in a tile
-                   * row), zero past its rows: tiles read 16 rows from a walk's first */
-        qtt = &qtbuf[0][0];
+    if (amx || rows >= BF_WIDE_ROWS)
         for (int p = 0; p < DIM / 2; p++) {
             for (int r = 0; r < rows; r++) qtbuf[p][r] = st.q[r][p];
             memset(&qtbuf[p][rows], 0, sizeof(uint32_t) * 16);
         }
-    }
-#endif
+    const uint32_t *qtt = &qtbuf[0][0];
     /* the group's shared keys for all its rows, then each token's own (the same arithmetic
      * either way, with or without the tile unit: the flag only picks the compiled copy) */
 #define BF_WALK(AMX)                                                                           \
@@ -1284,7 +1281,7 @@ static inline __attribute__((always_inline)) void bf_unit(
                             tables + i * table_stride, shared, ctx[i], kv_head, num_kv_heads,  \
                             DIM, block_size, scale, AMX);                                      \
     } while (0)
-    if (qtt)
+    if (amx)
         BF_WALK(1);
     else
         BF_WALK(0);
