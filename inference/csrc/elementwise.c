@@ -21,6 +21,16 @@
 #include <immintrin.h>
 #endif
 
+/* Loops over a row vectorize as wide as the target's vectors (GCC's default for -march of
+ * AVX-512 CPUs is 256 bits): each lane's arithmetic is the same, so are the results. */
+#pragma GCC target("prefer-vector-width=512")
+
+/* Calls of at least this many rows (tokens) split them over the threads (each row is
+ * computed alone: the same bits). With the wider vectors, on a 2-core Xeon, a layer's
+ * rotary, two norms and SiLU took 22.9 against 31.2 us at 12 rows, 37.0 against 45.7 at
+ * 27 and 58.3 against 90.4 at 55 (one thread below 16 or 64 rows, 256-bit vectors). */
+#define PARALLEL_ROWS 8
+
 static inline float bf2f(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
     float f;
@@ -57,7 +67,7 @@ int docqa_add_rms_norm_bf16(uint16_t *h, int64_t ldh, const uint16_t *delta, int
                             const uint16_t *w, uint16_t *x, int64_t ldx, int rows, int dim,
                             float eps, int num_threads) {
     if (rows < 0 || dim <= 0 || dim % 16) return -1;
-#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (rows >= 64)
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (rows >= PARALLEL_ROWS)
     for (int r = 0; r < rows; r++) {
         uint16_t *hr = h + (int64_t)r * ldh;
         if (delta) {
@@ -83,7 +93,7 @@ int docqa_add_rms_norm_bf16(uint16_t *h, int64_t ldh, const uint16_t *delta, int
 int docqa_silu_mul_bf16(const uint16_t *gu, int64_t ldg, int rows, int inter, uint16_t *out,
                         int64_t ldo, int num_threads) {
     if (rows < 0 || inter <= 0) return -1;
-#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (rows >= 16)
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (rows >= PARALLEL_ROWS)
     for (int r = 0; r < rows; r++) {
         const uint16_t *g = gu + (int64_t)r * ldg, *u = g + inter;
         uint16_t *o = out + (int64_t)r * ldo;
@@ -109,16 +119,21 @@ int docqa_rotary_store_bf16(uint16_t *qkv, int64_t ldq, int n, int num_heads, in
     if (n < 0 || dim <= 0 || dim % 2) return -1;
     const int half = dim / 2, rot = num_heads + num_kv_heads;
     const int64_t kv_row = (int64_t)num_kv_heads * dim;
-#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (n >= 64)
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (n >= PARALLEL_ROWS)
     for (int t = 0; t < n; t++) {
         uint16_t *row = qkv + (int64_t)t * ldq;
         const uint16_t *c = cos_t + positions[t] * dim, *s = sin_t + positions[t] * dim;
+        float cf[dim], sf[dim]; /* the position's cos and sin in float32, once for its heads */
+        for (int i = 0; i < dim; i++) {
+            cf[i] = bf2f(c[i]);
+            sf[i] = bf2f(s[i]);
+        }
         for (int h = 0; h < rot; h++) {
-            uint16_t *x = row + (int64_t)h * dim;
+            uint16_t *restrict x1p = row + (int64_t)h * dim, *restrict x2p = x1p + half;
             for (int i = 0; i < half; i++) {
-                const float x1 = bf2f(x[i]), x2 = bf2f(x[i + half]);
-                x[i] = f2bf(x1 * bf2f(c[i]) - x2 * bf2f(s[i]));
-                x[i + half] = f2bf(x2 * bf2f(c[i + half]) + x1 * bf2f(s[i + half]));
+                const float x1 = bf2f(x1p[i]), x2 = bf2f(x2p[i]);
+                x1p[i] = f2bf(x1 * cf[i] - x2 * sf[i]);
+                x2p[i] = f2bf(x2 * cf[i + half] + x1 * sf[i + half]);
             }
         }
         if (slots[t] >= 0) {
@@ -139,7 +154,7 @@ int docqa_add_rms_norm_f32(float *h, int64_t ldh, const float *delta, int64_t ld
                            const float *w, float *x, int64_t ldx, int rows, int dim, float eps,
                            int num_threads) {
     if (rows < 0 || dim <= 0 || dim % 16) return -1;
-#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (rows >= 64)
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (rows >= PARALLEL_ROWS)
     for (int r = 0; r < rows; r++) {
         float *hr = h + (int64_t)r * ldh;
         if (delta) {
@@ -190,7 +205,7 @@ static inline v8f exp_nonpositive8(v8f x) {
 int docqa_silu_mul_f32(const float *gu, int64_t ldg, int rows, int inter, float *out,
                        int64_t ldo, int num_threads) {
     if (rows < 0 || inter <= 0) return -1;
-#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (rows >= 16)
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (rows >= PARALLEL_ROWS)
     for (int r = 0; r < rows; r++) {
         const float *g = gu + (int64_t)r * ldg, *u = g + inter;
         float *o = out + (int64_t)r * ldo;
@@ -227,7 +242,7 @@ int docqa_rotary_store_f32(float *qkv, int64_t ldq, int n, int num_heads, int nu
     if (n < 0 || dim <= 0 || dim % 2) return -1;
     const int half = dim / 2, rot = num_heads + num_kv_heads;
     const int64_t kv_row = (int64_t)num_kv_heads * dim;
-#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (n >= 64)
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (n >= PARALLEL_ROWS)
     for (int t = 0; t < n; t++) {
         float *row = qkv + (int64_t)t * ldq;
         const float *c = cos_t + positions[t] * dim, *s = sin_t + positions[t] * dim;
