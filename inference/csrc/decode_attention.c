@@ -442,7 +442,7 @@ static inline __attribute__((always_inline)) void fetch_ahead(TiledRows *st, int
  * step also fetches one of the next round's lines. */
 static inline __attribute__((always_inline)) void tile_products(
     TiledRows *st, const float *a, int lda, const float *const *b, int col, int n, float *out,
-    int ldo, const float *scale, const int MR) {
+    int ldo, const float *scale, const int MR, const int EVERY) {
     vf acc[TILE_ROWS][TILE_VECS];
 #pragma GCC unroll 6
     for (int r = 0; r < MR; r++)
@@ -451,7 +451,7 @@ static inline __attribute__((always_inline)) void tile_products(
             acc[r][v] = scale ? *(const vf_u *)(out + r * ldo + v * LANES) * scale[r] : (vf){0};
     int ahead = st->ahead_at;
     for (int i = 0; i < n; i++) {
-        fetch_ahead(st, &ahead);
+        if (EVERY == 1 || i % EVERY == 0) fetch_ahead(st, &ahead);
         vf x[TILE_VECS];
 #pragma GCC unroll 4
         for (int v = 0; v < TILE_VECS; v++) x[v] = *(const vf_u *)(b[i] + col + v * LANES);
@@ -469,23 +469,34 @@ static inline __attribute__((always_inline)) void tile_products(
         for (int v = 0; v < TILE_VECS; v++) *(vf_u *)(out + r * ldo + v * LANES) = acc[r][v];
 }
 
-#define TILE_FN(MR)                                                                            \
-    static void products_##MR(TiledRows *st, const float *a, int lda, const float *const *b,  \
-                              int col, int n, float *out, int ldo, const float *scale) {       \
-        tile_products(st, a, lda, b, col, n, out, ldo, scale, MR);                             \
+#define TILE_FN(MR, EVERY)                                                                     \
+    static void products_##MR##_##EVERY(TiledRows *st, const float *a, int lda,                 \
+                                        const float *const *b, int col, int n, float *out,      \
+                                        int ldo, const float *scale) {                          \
+        tile_products(st, a, lda, b, col, n, out, ldo, scale, MR, EVERY);                      \
     }
-TILE_FN(1) TILE_FN(2) TILE_FN(3) TILE_FN(4) TILE_FN(5) TILE_FN(6)
-static void (*const products[])(TiledRows *, const float *, int, const float *const *, int, int,
-                                float *, int, const float *) = {
-    0, products_1, products_2, products_3, products_4, products_5, products_6};
+TILE_FN(1, 1) TILE_FN(2, 1) TILE_FN(3, 1) TILE_FN(4, 1) TILE_FN(5, 1) TILE_FN(6, 1)
+TILE_FN(1, 2) TILE_FN(2, 2) TILE_FN(3, 2) TILE_FN(4, 2) TILE_FN(5, 2) TILE_FN(6, 2)
+typedef void (*products_fn)(TiledRows *, const float *, int, const float *const *, int, int,
+                            float *, int, const float *);
+/* by rows, fetching a line of the next round every step or every other step */
+static const products_fn products[2][TILE_ROWS + 1] = {
+    {0, products_1_1, products_2_1, products_3_1, products_4_1, products_5_1, products_6_1},
+    {0, products_1_2, products_2_2, products_3_2, products_4_2, products_5_2, products_6_2}};
 
 /* Keys [from, to) of one context (from a multiple of ROUND) for rows [lo, hi), row g seeing
  * the keys before lim[g - lo] only: a masked key weighs exactly zero and a round without a
  * key for a row leaves its state as it was, so a row walked with keys past its context gets
  * the bits of its own walk (a prompt chunk's tokens walk the chunk's last context together). */
+typedef struct {
+    int lo, hi;           /* its rows */
+    const int32_t *table; /* its block table */
+    int from, to;         /* its keys */
+} Walk;
+
 static void tiled_keys(TiledRows *st, int lo, int hi, const float *k_cache, const float *v_cache,
                        const int32_t *table, int from, int to, const int *lim, int kv_head,
-                       int num_kv_heads, int dim, int block_size) {
+                       int num_kv_heads, int dim, int block_size, const Walk *next) {
     const int64_t key_stride = (int64_t)num_kv_heads * dim;
     int64_t at[2][ROUND];
     const float *krows[ROUND], *vrows[ROUND];
@@ -512,6 +523,27 @@ static void tiled_keys(TiledRows *st, int lo, int hi, const float *k_cache, cons
                 st->ahead[st->ahead_n++] = (const char *)(k_cache + at[cur ^ 1][j]) + c;
                 st->ahead[st->ahead_n++] = (const char *)(v_cache + at[cur ^ 1][j]) + c;
             }
+        if (n2 == 0 && next != NULL) { /* the last round: the next walk's first one */
+            const int32_t *const t = next->table;
+            const int m = next->to - next->from < ROUND ? next->to - next->from : ROUND;
+            for (int j = 0, b = next->from / block_size, o = next->from % block_size; j < m; j++) {
+                const int64_t e = ((int64_t)t[b] * block_size + o) * key_stride +
+                                  (int64_t)kv_head * dim;
+                for (int c = 0; c < dim * 4; c += 64) {
+                    st->ahead[st->ahead_n++] = (const char *)(k_cache + e) + c;
+                    st->ahead[st->ahead_n++] = (const char *)(v_cache + e) + c;
+                }
+                if (++o == block_size) {
+                    o = 0;
+                    b++;
+                }
+            }
+        }
+        /* a line every other step where the round's tile steps (the score tiles' over the
+         * dims, the value tiles' over the keys) are twice its lines or more, else every step */
+        const int tiles = (hi - lo + TILE_ROWS - 1) / TILE_ROWS;
+        const int spread =
+            tiles * (kvecs / TILE_VECS * dim + dim / LANES / TILE_VECS * n) >= 2 * st->ahead_n;
         if (r0 == from) /* the first round's V rows, while its K rows are read */
             for (int j = 0; j < n; j++)
                 for (int c = 0; c < dim * 4; c += 64)
@@ -520,7 +552,7 @@ static void tiled_keys(TiledRows *st, int lo, int hi, const float *k_cache, cons
             for (int c = 0; c < dim; c += 8) transpose8(krows + j, c, st->kt + c * ROUND + j);
         for (int kv = 0; kv < kvecs; kv += TILE_VECS)
             for (int r = lo; r < hi; r += TILE_ROWS)
-                products[hi - r < TILE_ROWS ? hi - r : TILE_ROWS](
+                products[spread][hi - r < TILE_ROWS ? hi - r : TILE_ROWS](
                     st, st->q[r], MAX_DIM, st->kt_rows, kv * LANES, dim, st->s[r] + kv * LANES,
                     ROUND, NULL);
         /* online softmax, once per round: the round's maximum, its weights, the rescale */
@@ -535,7 +567,7 @@ static void tiled_keys(TiledRows *st, int lo, int hi, const float *k_cache, cons
         }
         for (int c = 0; c < dim / LANES; c += TILE_VECS)
             for (int r = lo; r < hi; r += TILE_ROWS)
-                products[hi - r < TILE_ROWS ? hi - r : TILE_ROWS](
+                products[spread][hi - r < TILE_ROWS ? hi - r : TILE_ROWS](
                     st, st->s[r], ROUND, vrows, c * LANES, n, st->acc[r] + c * LANES, MAX_DIM,
                     alpha + (r - lo));
         while (st->ahead_at < st->ahead_n) fetch_ahead(st, &st->ahead_at);
@@ -576,14 +608,19 @@ static int tiled_unit(const float *q, const int64_t *q_rows, int members, const 
         }
     int lim[MAX_UNIT_ROWS];
     for (int r = 0; r < members * group; r++) lim[r] = ctx[r / group];
-    if (shared > 0)
-        tiled_keys(st, 0, members * group, k_cache, v_cache, tables, 0, shared, lim, kv_head,
-                   num_kv_heads, dim, block_size);
+    /* the group's shared keys for all its rows, then each token's own for its rows; each walk
+     * fetches the next one's first round during its last */
+    Walk walks[MAX_UNIT_ROWS + 1];
+    int nw = 0;
+    if (shared > 0) walks[nw++] = (Walk){0, members * group, tables, 0, shared};
     for (int i = 0; i < members; i++)
         if (ctx[i] > shared)
-            tiled_keys(st, i * group, (i + 1) * group, k_cache, v_cache,
-                       tables + i * table_stride, shared, ctx[i], lim + i * group, kv_head,
-                       num_kv_heads, dim, block_size);
+            walks[nw++] = (Walk){i * group, (i + 1) * group, tables + i * table_stride, shared,
+                                 ctx[i]};
+    for (int w = 0; w < nw; w++)
+        tiled_keys(st, walks[w].lo, walks[w].hi, k_cache, v_cache, walks[w].table,
+                   walks[w].from, walks[w].to, lim + walks[w].lo, kv_head, num_kv_heads, dim,
+                   block_size, w + 1 < nw ? &walks[w + 1] : NULL);
     for (int i = 0; i < members; i++)
         for (int g = 0; g < group; g++) {
             const int r = i * group + g;
