@@ -438,8 +438,8 @@ static inline __attribute__((always_inline)) void fetch_ahead(TiledRows *st, int
  *   out[r][v] = start + sum over i = 0, 1, ..., n - 1 of a[r][i] * b_i[col + v]
  * in that order, one fused multiply-add chain per element, start zero (scale NULL) or
  * out[r][v] * scale[r]: scores (a the queries, b_i the transposed K's dim i, i over the
- * dims) and weighted values (a the weights, b_i key i's V row, i over the round's keys). Each
- * step also fetches one of the next round's lines. */
+ * dims) and weighted values (a the weights, b_i key i's V row, i over the round's keys).
+ * Every EVERY-th step (1 or 2) also fetches one of the next round's lines. */
 static inline __attribute__((always_inline)) void tile_products(
     TiledRows *st, const float *a, int lda, const float *const *b, int col, int n, float *out,
     int ldo, const float *scale, const int MR, const int EVERY) {
@@ -484,16 +484,18 @@ static const products_fn products[2][TILE_ROWS + 1] = {
     {0, products_1_1, products_2_1, products_3_1, products_4_1, products_5_1, products_6_1},
     {0, products_1_2, products_2_2, products_3_2, products_4_2, products_5_2, products_6_2}};
 
-/* Keys [from, to) of one context (from a multiple of ROUND) for rows [lo, hi), row g seeing
- * the keys before lim[g - lo] only: a masked key weighs exactly zero and a round without a
- * key for a row leaves its state as it was, so a row walked with keys past its context gets
- * the bits of its own walk (a prompt chunk's tokens walk the chunk's last context together). */
+/* A unit's walk over keys: the group's shared ones for all its rows, or a token's own. */
 typedef struct {
     int lo, hi;           /* its rows */
     const int32_t *table; /* its block table */
     int from, to;         /* its keys */
 } Walk;
 
+/* Keys [from, to) of one context (from a multiple of ROUND) for rows [lo, hi), row g seeing
+ * the keys before lim[g - lo] only: a masked key weighs exactly zero and a round without a
+ * key for a row leaves its state as it was, so a row walked with keys past its context gets
+ * the bits of its own walk (a prompt chunk's tokens walk the chunk's last context together).
+ * `next` is the unit's next walk, if any: its first round is fetched during this one's last. */
 static void tiled_keys(TiledRows *st, int lo, int hi, const float *k_cache, const float *v_cache,
                        const int32_t *table, int from, int to, const int *lim, int kv_head,
                        int num_kv_heads, int dim, int block_size, const Walk *next) {
