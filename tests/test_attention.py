@@ -327,13 +327,16 @@ def test_each_sequence_alone_equals_in_the_batch(dtype, backend):
         start += spec[1]
 
 
-def test_decode_kernel_does_not_depend_on_the_thread_count():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_kernel_does_not_depend_on_the_thread_count(dtype):
     """Bitwise: work units are whole (token, KV head) pairs, so threads only decide where a
-    unit runs, never how its sums are ordered."""
+    unit runs, never how its sums are ordered (float32: the register-tiled path on x86 with
+    FMA)."""
     rng = random.Random(SEED)
     specs = [(1090, 1, True, False), (1101, 1, True, True), (700, 1, True, True)] * 3
-    k_cache, v_cache, _, meta = _step(rng, 16, 3, 64, torch.bfloat16, specs)
-    q = torch.randn(9, 9, 64, generator=torch.Generator().manual_seed(SEED)).bfloat16()
+    specs += [(n, 1, True, False) for n in (63, 64, 65, 511, 512, 513)]
+    k_cache, v_cache, _, meta = _step(rng, 16, 3, 64, dtype, specs)
+    q = torch.randn(len(specs), 9, 64, generator=torch.Generator().manual_seed(SEED)).to(dtype)
     threads = torch.get_num_threads()
     outs = []
     try:
