@@ -526,20 +526,16 @@ static void tiled_keys(TiledRows *st, int lo, int hi, const float *k_cache, cons
                 st->ahead[st->ahead_n++] = (const char *)(v_cache + at[cur ^ 1][j]) + c;
             }
         if (n2 == 0 && next != NULL) { /* the last round: the next walk's first one */
-            const int32_t *const t = next->table;
+            const int32_t *table = next->table; /* KEY_ROWS over the next walk's table */
+            int blk = next->from / block_size, in_blk = next->from % block_size;
             const int m = next->to - next->from < ROUND ? next->to - next->from : ROUND;
-            for (int j = 0, b = next->from / block_size, o = next->from % block_size; j < m; j++) {
-                const int64_t e = ((int64_t)t[b] * block_size + o) * key_stride +
-                                  (int64_t)kv_head * dim;
+            int64_t first[ROUND];
+            KEY_ROWS(first, m, dim);
+            for (int j = 0; j < m; j++)
                 for (int c = 0; c < dim * 4; c += 64) {
-                    st->ahead[st->ahead_n++] = (const char *)(k_cache + e) + c;
-                    st->ahead[st->ahead_n++] = (const char *)(v_cache + e) + c;
+                    st->ahead[st->ahead_n++] = (const char *)(k_cache + first[j]) + c;
+                    st->ahead[st->ahead_n++] = (const char *)(v_cache + first[j]) + c;
                 }
-                if (++o == block_size) {
-                    o = 0;
-                    b++;
-                }
-            }
         }
         /* a line every other step where the round's tile steps (the score tiles' over the
          * dims, the value tiles' over the keys) are twice its lines or more, else every step */
