@@ -495,10 +495,12 @@ typedef struct {
  * the keys before lim[g - lo] only: a masked key weighs exactly zero and a round without a
  * key for a row leaves its state as it was, so a row walked with keys past its context gets
  * the bits of its own walk (a prompt chunk's tokens walk the chunk's last context together).
- * `next` is the unit's next walk, if any: its first round is fetched during this one's last. */
+ * `next` is the unit's next walk, if any: its first round is fetched during this one's last;
+ * `fetched`: this walk's first round was fetched so, by the walk before it. */
 static void tiled_keys(TiledRows *st, int lo, int hi, const float *k_cache, const float *v_cache,
                        const int32_t *table, int from, int to, const int *lim, int kv_head,
-                       int num_kv_heads, int dim, int block_size, const Walk *next) {
+                       int num_kv_heads, int dim, int block_size, const Walk *next,
+                       int fetched) {
     const int64_t key_stride = (int64_t)num_kv_heads * dim;
     int64_t at[2][ROUND];
     const float *krows[ROUND], *vrows[ROUND];
@@ -542,7 +544,7 @@ static void tiled_keys(TiledRows *st, int lo, int hi, const float *k_cache, cons
         const int tiles = (hi - lo + TILE_ROWS - 1) / TILE_ROWS;
         const int spread =
             tiles * (kvecs / TILE_VECS * dim + dim / LANES / TILE_VECS * n) >= 2 * st->ahead_n;
-        if (r0 == from) /* the first round's V rows, while its K rows are read */
+        if (r0 == from && !fetched) /* the first round's V rows, while its K rows are read */
             for (int j = 0; j < n; j++)
                 for (int c = 0; c < dim * 4; c += 64)
                     __builtin_prefetch((const char *)vrows[j] + c, 0, 2);
@@ -618,7 +620,7 @@ static int tiled_unit(const float *q, const int64_t *q_rows, int members, const 
     for (int w = 0; w < nw; w++)
         tiled_keys(st, walks[w].lo, walks[w].hi, k_cache, v_cache, walks[w].table,
                    walks[w].from, walks[w].to, lim + walks[w].lo, kv_head, num_kv_heads, dim,
-                   block_size, w + 1 < nw ? &walks[w + 1] : NULL);
+                   block_size, w + 1 < nw ? &walks[w + 1] : NULL, w > 0);
     for (int i = 0; i < members; i++)
         for (int g = 0; g < group; g++) {
             const int r = i * group + g;
