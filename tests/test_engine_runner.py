@@ -9,8 +9,8 @@ from app.engine_runner import EngineRunner
 from inference import SamplingParams
 
 
-def _ready_runner(model_dir, **kw) -> EngineRunner:
-    runner = EngineRunner(model_dir, dtype="bfloat16", kv_cache_gib=0.01, **kw)
+def _ready_runner(model_dir) -> EngineRunner:
+    runner = EngineRunner(model_dir, dtype="bfloat16", kv_cache_gib=0.01)
     runner.start()
     for _ in range(600):
         if runner.state != "loading":
