@@ -191,6 +191,7 @@ class EngineRunner:
                 if self._stopping:
                     break
                 cmds, self._cmds = self._cmds, []
+            t0 = time.perf_counter()
             for cmd in cmds:
                 cmd()
             if not engine.has_unfinished():
@@ -201,9 +202,10 @@ class EngineRunner:
                 log.exception("engine step failed; aborting the requests in flight")
                 self._fail_all(EngineFailure(f"the engine failed: {e}"))
                 continue
-            if self.observer is not None and engine.last_step is not None:
-                self.observer.observe_step(*engine.last_step)
+            ran = engine.last_step
             self._publish(finished)
+            if self.observer is not None and ran is not None:
+                self.observer.observe_step(*ran, time.perf_counter() - t0)
         self._fail_all(EngineNotReady("the server is shutting down"))
         engine.close()
 

@@ -143,6 +143,15 @@ class ServiceMetrics:
             buckets=_STEP_BUCKETS,
             registry=self.registry,
         )
+        self.iteration_time = Histogram(
+            "docqa:engine_iteration_seconds",
+            "Engine thread time per step: the requests and cancellations taken before it, the "
+            "step (scheduling, inputs, model, sampling) and the hand-off of its tokens, waits "
+            "for the interpreter lock included; less docqa:scheduler_step_seconds, what "
+            "serving adds to the model",
+            buckets=_STEP_BUCKETS,
+            registry=self.registry,
+        )
         self.batch_size = Histogram(
             "docqa:batch_size",
             "Sequences per engine step",
@@ -168,8 +177,13 @@ class ServiceMetrics:
         self.registry.register(self._collector)
 
     # called from the engine thread
-    def observe_step(self, seqs: int, prefill: int, decode: int, seconds: float) -> None:
+    def observe_step(
+        self, seqs: int, prefill: int, decode: int, seconds: float, iteration: float
+    ) -> None:
+        """One step that ran a batch: ``seconds`` in the model, ``iteration`` of the engine
+        thread's work for it from the commands before it to its tokens' hand-off."""
         self.step_time.observe(seconds)
+        self.iteration_time.observe(iteration)
         self.batch_size.observe(seqs)
         self.prefill_tokens.observe(prefill)
         self.decode_tokens.observe(decode)

@@ -18,8 +18,9 @@ throughput, output tokens/s, TTFT and TPOT p50/p99 (client side) and the cache h
 table and as JSON under bench/results/, with the share of a core the clients themselves took
 (all of them run in one thread on one selector, bench/sse_clients.py, so that the load
 generator takes as little as it can of the CPU the server runs on) and the engine's own steps
-at each level, from the server's /metrics: time in the model per step and the decode and
-prompt tokens a step carried (the step time apart from what the HTTP side adds).
+at each level, from the server's /metrics: time in the model per step, the engine thread's time
+per step outside the model (scheduling, inputs, sampling, the tokens' hand-off and waits for
+the interpreter lock the event loop holds), and the decode and prompt tokens a step carried.
 ``--rounds R`` runs the levels R times in turn and pools each level's answers, so that a slow
 spell of the machine falls on every level alike; the ratios of each round are printed too.
 Without ``--url`` it starts its own server.
@@ -182,6 +183,7 @@ STEP_METRICS = {
     "step_s": "docqa:scheduler_step_seconds_sum",
     "decode_tokens": "docqa:decode_tokens_per_step_sum",
     "prompt_tokens": "docqa:prefill_tokens_per_step_sum",
+    "iteration_s": "docqa:engine_iteration_seconds_sum",
 }
 
 
@@ -274,6 +276,11 @@ def summarize(
         "client_cpu_share": client_cpu / wall,  # of one core, taken by this load generator
         "engine": engine,
         "step_ms": engine["step_s"] * 1000 / steps if steps else None,
+        # the engine thread's time per step outside the model (scheduling, inputs, sampling,
+        # the tokens' hand-off, waits for the interpreter lock)
+        "outside_model_ms": (engine["iteration_s"] - engine["step_s"]) * 1000 / steps
+        if steps
+        else None,
         "decode_tokens_per_step": engine["decode_tokens"] / steps if steps else None,
         "prompt_tokens_per_step": engine["prompt_tokens"] / steps if steps else None,
         "per_request": results,
@@ -405,14 +412,18 @@ def main() -> int:
         )
     if all(lvl["step_ms"] is not None for lvl in levels):
         print(
-            "\nengine steps while the clients asked (from /metrics): time in the model per step "
-            "and the tokens a step carried\n"
+            "\nengine steps while the clients asked (from /metrics): time in the model per step, "
+            "the engine thread's time per step outside it, and the tokens a step carried\n"
         )
-        print("| clients | steps | ms per step | decode tokens per step | prompt tokens per step |")
-        print("|---|---|---|---|---|")
+        print(
+            "| clients | steps | ms per step | ms outside the model | decode tokens per step "
+            "| prompt tokens per step |"
+        )
+        print("|---|---|---|---|---|---|")
         for lvl in levels:
             print(
                 f"| {lvl['concurrency']} | {lvl['engine']['steps']:.0f} | {lvl['step_ms']:.1f} "
+                f"| {lvl['outside_model_ms']:.2f} "
                 f"| {lvl['decode_tokens_per_step']:.1f} | {lvl['prompt_tokens_per_step']:.1f} |"
             )
     decode = 1000 / base["tpot_p50_ms"] if base["tpot_p50_ms"] else float("nan")

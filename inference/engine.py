@@ -321,7 +321,8 @@ class LLMEngine:
         self.generation_tokens = 0
         self.num_steps = 0
         self.num_cancelled = 0
-        # the last step, for metrics: (sequences, prefill tokens, decode tokens, seconds)
+        # the last step, for metrics: (sequences, prefill tokens, decode tokens, seconds in the
+        # model); None after a step that ran no batch
         self.last_step: tuple[int, int, int, float] | None = None
         self.pinned: dict[str, int] = {}  # pin key -> blocks held
         self.tier: RedisTier | None = None
@@ -591,6 +592,7 @@ class LLMEngine:
     # -- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[Request]:
+        self.last_step = None
         if self.tier is not None:
             self._install_tier_blocks()
         out = self.scheduler.schedule()

@@ -155,4 +155,8 @@ def test_metrics_cover_the_scheduler(sqlite_server):
     ):
         assert n in names, n
     assert names["docqa:scheduler_step_seconds_count"] > 0
+    # the engine thread's time for each of those steps: the step and what serving adds
+    steps = names["docqa:scheduler_step_seconds_count"]
+    assert names["docqa:engine_iteration_seconds_count"] == steps
+    assert names["docqa:engine_iteration_seconds_sum"] > names["docqa:scheduler_step_seconds_sum"]
     assert names["docqa:decode_tokens_per_step_sum"] >= 2

@@ -209,6 +209,7 @@ def test_prompt_tokens_per_step_are_capped_while_answers_decode(tiny_model_dir):
     eng.step()
     assert eng.last_step[1:3] == (150, 0) and alone.finished
     eng.release(alone)
+    assert eng.step() == [] and eng.last_step is None  # nothing ran: no step to report
     answer = eng.add_request(_prompt(961, 40), SamplingParams(max_tokens=60, ignore_eos=True))
     while not answer.output_token_ids:
         eng.step()
