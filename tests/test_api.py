@@ -109,6 +109,38 @@ def test_second_question_hits_the_cache(api):
         assert k in a2["timings"]
 
 
+def test_a_manual_stored_under_another_tokenizer_is_encoded_again(sqlite_server):
+    """A question reads a manual's stored token ids; where they came from another tokenizer
+    (the served model was changed), the manual's text is encoded again: the same prompt and
+    the same answer as from ids of this tokenizer."""
+    import sqlite3
+
+    with sqlite_server.client() as c:
+        m = new_manual(c)
+        before = ask(c, m["id"], "Which option lists an archive?")
+        path = sqlite_server.database_url.removeprefix("sqlite:///")
+        with sqlite3.connect(path) as db:  # ids no prompt could be built from
+            db.execute(
+                "UPDATE manuals SET tokenizer_fingerprint = 'another', token_ids = x'' "
+                "WHERE id = ?",
+                (m["id"],),
+            )
+        db.close()
+        after = ask(c, m["id"], "Which option lists an archive?")
+        chat = c.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "Which option lists an archive?"}],
+                "manual_id": m["id"],
+                "max_tokens": 8,
+            },
+        )
+    assert after["usage"]["prompt_tokens"] == before["usage"]["prompt_tokens"]
+    assert after["answer"] == before["answer"]
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["prompt_tokens"] == before["usage"]["prompt_tokens"]
+
+
 def test_bypass_computes_cold_and_gives_the_same_answer(api):
     m = new_manual(api)
     q = "What exit status means a fatal error?"

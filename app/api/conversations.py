@@ -205,7 +205,7 @@ def question_controllers(types: QuestionTypes) -> list[type[Controller]]:
             self, qa: QAService, tenant: str, data: AskCreate, request: Request
         ) -> Answer | Response:
             question = _question(data.question)
-            manual = await qa.get_manual(tenant, data.manual_id)
+            manual = await qa.prompt_manual(tenant, data.manual_id)
             qa.runner.require_ready()
             params = qa.params(
                 data.max_tokens, data.temperature, data.top_p, data.seed, data.ignore_eos

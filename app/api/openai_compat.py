@@ -75,7 +75,7 @@ def openai_controllers(types: QuestionTypes) -> list[type[Controller]]:
                 )
             warnings: list[str] = []
             if data.manual_id:
-                manual = await qa.get_manual(tenant, data.manual_id)
+                manual = await qa.prompt_manual(tenant, data.manual_id)
                 if any(r == "system" for r, _ in msgs):
                     warnings.append(
                         "system messages are ignored with manual_id: "
