@@ -37,7 +37,6 @@ class PromptManual:
     """What a prompt needs of a stored manual: its token ids and the tokenizer they came from;
     its text only where that was another tokenizer (the text is then encoded again)."""
 
-    id: str
     token_ids: list[int]
     tokenizer_fingerprint: str
     content: str = ""
@@ -135,7 +134,7 @@ class QAService:
             text = ""
             if fingerprint != self.tokenizer_fingerprint:
                 text = await conn.scalar(select(Manual.content).where(*where))
-        return PromptManual(manual_id, ids, fingerprint, text)
+        return PromptManual(ids, fingerprint, text)
 
     def manual_prefix(self, manual: Manual | PromptManual) -> tuple[list[int], int]:
         builder = self.runner.builder
