@@ -491,16 +491,17 @@ typedef struct {
     int from, to;         /* its keys */
 } Walk;
 
-/* Keys [from, to) of one context (from a multiple of ROUND) for rows [lo, hi), row g seeing
- * the keys before lim[g - lo] only: a masked key weighs exactly zero and a round without a
+/* A walk's keys [from, to) of one context (from a multiple of ROUND) for its rows [lo, hi),
+ * row g seeing the keys before lim[g - lo] only: a masked key weighs exactly zero and a round without a
  * key for a row leaves its state as it was, so a row walked with keys past its context gets
  * the bits of its own walk (a prompt chunk's tokens walk the chunk's last context together).
  * `next` is the unit's next walk, if any: its first round is fetched during this one's last;
  * `fetched`: this walk's first round was fetched so, by the walk before it. */
-static void tiled_keys(TiledRows *st, int lo, int hi, const float *k_cache, const float *v_cache,
-                       const int32_t *table, int from, int to, const int *lim, int kv_head,
-                       int num_kv_heads, int dim, int block_size, const Walk *next,
-                       int fetched) {
+static void tiled_keys(TiledRows *st, const Walk *walk, const Walk *next, int fetched,
+                       const int *lim, const float *k_cache, const float *v_cache, int kv_head,
+                       int num_kv_heads, int dim, int block_size) {
+    const int lo = walk->lo, hi = walk->hi, from = walk->from, to = walk->to;
+    const int32_t *const table = walk->table;
     const int64_t key_stride = (int64_t)num_kv_heads * dim;
     int64_t at[2][ROUND];
     const float *krows[ROUND], *vrows[ROUND];
@@ -618,9 +619,8 @@ static int tiled_unit(const float *q, const int64_t *q_rows, int members, const 
             walks[nw++] = (Walk){i * group, (i + 1) * group, tables + i * table_stride, shared,
                                  ctx[i]};
     for (int w = 0; w < nw; w++)
-        tiled_keys(st, walks[w].lo, walks[w].hi, k_cache, v_cache, walks[w].table,
-                   walks[w].from, walks[w].to, lim + walks[w].lo, kv_head, num_kv_heads, dim,
-                   block_size, w + 1 < nw ? &walks[w + 1] : NULL, w > 0);
+        tiled_keys(st, &walks[w], w + 1 < nw ? &walks[w + 1] : NULL, w > 0, lim + walks[w].lo,
+                   k_cache, v_cache, kv_head, num_kv_heads, dim, block_size);
     for (int i = 0; i < members; i++)
         for (int g = 0; g < group; g++) {
             const int r = i * group + g;
