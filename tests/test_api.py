@@ -217,7 +217,8 @@ def test_warm_then_first_question_hits(api):
     r = api.post(f"/v1/manuals/{m['id']}/warm")
     assert r.status_code == 200
     w = r.json()
-    assert w["prompt_tokens"] - SHARED <= w["computed_tokens"] <= w["prompt_tokens"]
+    # nothing of the new manual was cached before but what FIRST_HIT allows
+    assert w["prompt_tokens"] - FIRST_HIT <= w["computed_tokens"] <= w["prompt_tokens"]
     assert w["elapsed_ms"] > 0
     # every token: the full blocks, and the manual's last tokens in the partial block the warm
     # request left (a question copies those slots)
