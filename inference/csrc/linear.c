@@ -87,11 +87,12 @@ typedef __m256 vec;
  * chain (pairs of inputs when BF): started from zero (k0 == 0) or from the partial sums in
  * `part` (row stride ldp, padded to whole panels); left in `part` unless k1 == k, when they go
  * to y (outputs of features >= n dropped) plus the bias, rounded to bf16 when BF. k counts
- * terms (pairs when BF), ldx bytes, ldy outputs. */
+ * terms (pairs when BF), ldx bytes, ldy outputs. t: the tile's place among the nt tiles of
+ * this call's rows that fetch the next panels (below). */
 static inline __attribute__((always_inline)) void tile(
     const void *xv, int64_t ldx, const float *packed, int64_t pstride, int k, int k0, int k1,
-    const float *bias, void *yv, int64_t ldy, float *part, int64_t ldp, int n0, int n,
-    const int MR, const int NP, const int BF) {
+    const float *bias, void *yv, int64_t ldy, float *part, int64_t ldp, int n0, int n, int t,
+    int nt, const int MR, const int NP, const int BF) {
     const char *x = (const char *)xv;
     vec acc[MAX_MR][4 * PV];
 #pragma GCC unroll 12
@@ -99,6 +100,7 @@ static inline __attribute__((always_inline)) void tile(
 #pragma GCC unroll 8
         for (int v = 0; v < NP * PV; v++)
             acc[r][v] = k0 == 0 ? VZERO() : VLOAD(part + r * ldp + n0 + v * VLANES);
+    int turn = t; /* this tile fetches at the steps kk - k0 = t (mod nt), from kk = k0 */
     for (int kk = k0; kk < k1; kk++) {
         vec w[4 * PV];
 #pragma GCC unroll 4
@@ -107,13 +109,20 @@ static inline __attribute__((always_inline)) void tile(
             for (int v = 0; v < PV; v++)
                 w[p * PV + v] = VLOAD(packed + p * pstride + (int64_t)kk * PANEL + v * VLANES);
         /* tiles of many rows, which compute longer than their panels take to read, fetch
-         * the next panels' line for this k (a thread's panels are consecutive), so the
-         * weight streams from memory while they compute; tiles of a few rows stream at the
-         * memory's pace and are left to the hardware prefetcher */
-        if (MR >= 4)
+         * the next panels' lines (a thread's panels are consecutive), so the weight streams
+         * from memory while they compute. The nt such tiles that take these panels in turn
+         * share the fetching, tile t the lines of the steps kk - k0 = t (mod nt): the memory
+         * streams at an even pace through all of them, where the first alone would fetch
+         * every line in a burst that stalls it and leaves the memory idle during the others
+         * (5-9% faster for 16-55 rows on 2 Zen 5 cores). Tiles of a few rows stream at the
+         * memory's pace and are left to the hardware prefetcher. */
+        if (MR >= 4) {
+            if (turn == 0)
 #pragma GCC unroll 4
-            for (int p = 0; p < NP; p++)
-                __builtin_prefetch(packed + (p + NP) * pstride + (int64_t)kk * PANEL);
+                for (int p = 0; p < NP; p++)
+                    __builtin_prefetch(packed + (p + NP) * pstride + (int64_t)kk * PANEL);
+            turn = turn == 0 ? nt - 1 : turn - 1;
+        }
 #pragma GCC unroll 12
         for (int r = 0; r < MR; r++) {
             /* a bf16 pair is read as the 32 bits of a float */
@@ -151,22 +160,24 @@ static inline __attribute__((always_inline)) void tile(
 }
 
 typedef void (*tile_fn)(const void *, int64_t, const float *, int64_t, int, int, int,
-                        const float *, void *, int64_t, float *, int64_t, int, int);
+                        const float *, void *, int64_t, float *, int64_t, int, int, int, int);
 
 #define TILE(MR, NP)                                                                          \
     static void tile_##MR##_##NP(const void *x, int64_t ldx, const float *packed,            \
                                  int64_t pstride, int k, int k0, int k1, const float *bias,  \
                                  void *y, int64_t ldy, float *part, int64_t ldp, int n0,     \
-                                 int n) {                                                    \
-        tile(x, ldx, packed, pstride, k, k0, k1, bias, y, ldy, part, ldp, n0, n, MR, NP, 0); \
+                                 int n, int t, int nt) {                                     \
+        tile(x, ldx, packed, pstride, k, k0, k1, bias, y, ldy, part, ldp, n0, n, t, nt, MR, NP, \
+             0);                                                                             \
     }
 #ifdef HAVE_BF16
 #define BF_TILE(MR, NP)                                                                       \
     static void bf_tile_##MR##_##NP(const void *x, int64_t ldx, const float *packed,         \
                                     int64_t pstride, int k, int k0, int k1,                  \
                                     const float *bias, void *y, int64_t ldy, float *part,    \
-                                    int64_t ldp, int n0, int n) {                            \
-        tile(x, ldx, packed, pstride, k, k0, k1, bias, y, ldy, part, ldp, n0, n, MR, NP, 1); \
+                                    int64_t ldp, int n0, int n, int t, int nt) {             \
+        tile(x, ldx, packed, pstride, k, k0, k1, bias, y, ldy, part, ldp, n0, n, t, nt, MR, NP, \
+             1);                                                                             \
     }
 #endif
 #ifdef __AVX512F__
@@ -636,12 +647,13 @@ static int linear(const void *x, int m, int64_t ldx, const float *packed, int fo
                         char *yr = (char *)y + (int64_t)row * ldy * esize;
                         float *pr = part ? part + (int64_t)(t * MR) * ldp : NULL;
                         int p = p0;
+                        const int nt = full + (rest >= 4); /* the tiles that fetch */
                         for (; p + np <= p0 + pn; p += np)
                             wide(xr, ldxb, src + (p - p0) * ps, ps, k, k0, k1, bias, yr, ldy, pr,
-                                 ldp, p * PANEL, n);
+                                 ldp, p * PANEL, n, t, nt);
                         for (; p < p0 + pn; p++)
                             narrow(xr, ldxb, src + (p - p0) * ps, ps, k, k0, k1, bias, yr, ldy, pr,
-                                   ldp, p * PANEL, n);
+                                   ldp, p * PANEL, n, t, nt);
                     }
                 }
             }
