@@ -4,9 +4,10 @@
 
 Times ``docqa_decode_attention`` (inference/csrc/decode_attention.c) with float32 queries and
 K/V, or with ``--dtype bfloat16`` ``docqa_attention_bf16`` (on the tile unit where the CPU has
-AMX, as the engine runs it), on four shapes: one decode token after a 1,080-token context; 16
+AMX, as the engine runs it), on five shapes: one decode token after a 1,080-token context; 16
 decode tokens about 4 manuals of 1,056 tokens; a 45-token question after a cached 1,000-token
-manual; the second 512-token chunk of a manual's prompt. Each is cut into units by the
+manual; the second 512-token chunk of a manual's prompt; the 16 decodes and the question in
+one step (a step under load). Each is cut into units by the
 engine's own step plan (``CPUBackend.plan``). Each shape runs over 30 layers twice: with one
 pool that stays in the caches (20 MB), and cold, the layers taking turns over four 50 MB pools.
 With ``--against REV`` the kernel source at git revision REV is built beside the working tree's,
@@ -85,6 +86,11 @@ class Shapes:
             "16 decodes, 4 manuals": ("decode", decodes),
             "45-token question after 1,000 cached": ("prompt", (manuals[0] + own[0], 1000, 45)),
             "512-token prompt chunk at 512": ("prompt", (manuals[1] + own[1], 512, 512)),
+            # a step under load: answers decoding while a new question is computed
+            "16 decodes and the 45-token question": (
+                "mixed",
+                (decodes, (manuals[0] + [free.pop() for _ in range(3)], 1000, 45)),
+            ),
         }
 
     def units(self, kind, spec, tiled: bool):
@@ -96,6 +102,16 @@ class Shapes:
             lens = [c for _, c in spec]
             meta = AttentionMetadata.build(
                 tables, lens, [1] * len(spec), BS, "cpu", [True] * len(spec)
+            )
+        elif kind == "mixed":
+            decodes, (table, first, n) = spec
+            meta = AttentionMetadata.build(
+                [t for t, _ in decodes] + [table],
+                [c for _, c in decodes] + [first + n],
+                [1] * len(decodes) + [n],
+                BS,
+                "cpu",
+                [True] * len(decodes) + [False],
             )
         else:
             table, first, n = spec

@@ -34,6 +34,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -167,6 +168,7 @@ def record(body: dict, token_times: list[float], t0: float, end: float, final: d
     n = final["usage"]["completion_tokens"]
     first = token_times[0] if token_times else end
     return {
+        "start_s": t0,  # made relative to the level's start by run_level
         "ttft_ms": (first - t0) * 1000,
         "tpot_ms": (end - first) * 1000 / (n - 1) if n > 1 else 0.0,
         "e2e_ms": (end - t0) * 1000,
@@ -234,6 +236,8 @@ def run_level(url, headers, tok, args, concurrency: int, rng: random.Random, ram
     )
     wall = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
+    for r in results:
+        r["start_s"] -= t0
     engine = None
     if before is not None:
         with httpx.Client(base_url=url, headers=headers, timeout=60) as c:
@@ -345,6 +349,12 @@ def main() -> int:
         "first level; 0: all at once)",
     )
     ap.add_argument("--max-batched-tokens", type=int, default=None, help="for a started server")
+    ap.add_argument(
+        "--server-args",
+        default="",
+        help="more options for a started server, as one string "
+        '(e.g. "--prefill-tokens-with-decodes 16")',
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--out", type=Path, help="the JSON results file (default: bench/results/load-DATE.json)"
@@ -365,6 +375,7 @@ def main() -> int:
         extra = ("--kv-cache-gib", "1")
         if args.max_batched_tokens:
             extra += ("--max-batched-tokens", str(args.max_batched_tokens))
+        extra += tuple(shlex.split(args.server_args))
         srv = Server(tmp, f"sqlite:///{tmp / 'docqa.db'}", args=extra, name="load").start()
         url = srv.url
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}

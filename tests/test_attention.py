@@ -12,6 +12,8 @@ is printed on failure.
 
 import os
 import random
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -203,6 +205,26 @@ def test_kernel_gives_a_prompt_token_the_bits_of_a_decode_token(dtype):
         spec = [(sl - ql + j + 1, 1, True, False)]
         one = _run(q, k_cache, v_cache, tables, spec, bs, [j], "cpu")
         assert torch.equal(one[0], chunk[j]), f"token {j} (seed {SEED})"
+
+
+def test_bf16_softmax_of_four_rows_has_the_bits_of_one_row(tmp_path):
+    """The bf16 decode path takes its rows' online-softmax steps four at a time
+    (``bf_softmax_row4``), their maxima and sums reduced together: every row must get the
+    bits the one-row step gives it (the prompt path's and the tile unit's), or a token's
+    result would depend on the rows beside it."""
+    _bf16_kernel()
+    csrc = cpu_kernels.SOURCE.parent
+    exe = tmp_path / "softmax_rows"
+    flags = [f for f in cpu_kernels.CFLAGS if f not in ("-shared", "-fPIC")]
+    here = Path(__file__).parent / "csrc" / "softmax_rows.c"
+    subprocess.run(
+        [cpu_kernels._compiler(), *flags, f"-I{csrc}", "-o", str(exe), str(here), "-lm"],
+        check=True,
+        capture_output=True,
+    )
+    out = subprocess.run([str(exe), str(SEED), "20000"], check=True, capture_output=True)
+    differ, _, seen = out.stdout.decode().split()
+    assert (int(differ), int(seen)) == (0, 50000), f"seed {SEED}"
 
 
 def test_bf16_kernel_groups_do_not_change_outputs():

