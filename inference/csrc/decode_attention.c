@@ -730,13 +730,14 @@ int docqa_decode_attention(const void *q, int q_dtype, const int64_t *q_rows, in
  *     and 2k2 + 1 of 32 dims per vector) and a row's output gains 32 products of a broadcast
  *     weight pair against VP.
  * Rows go four at a time, their softmax steps too (the four rows' maxima and sums reduced
- * together, by the one-row trees: 8-10% less time for 16 decodes on Zen 5). A unit is one KV head of a group of tokens: the group's keys in
- * [0, shared) are walked once for all its rows, with the first token's block table, each row
- * masked past its own context (tokens of one prompt chunk share one table and need no more);
- * then each token's keys in [shared, ctx) with its own table (answers that share a manual's
- * blocks). A masked key adds exact zeros and a round a row has no key in leaves its state as
- * it was, so a row's result depends only on its query, its context and the block size: the
- * same bits whether it is a prompt token or a decode token, alone or with any others.
+ * together, by the one-row trees: 8-10% less time for 16 decodes on Zen 5). A unit is one KV
+ * head of a group of tokens: the group's keys in [0, shared) are walked once for all its rows,
+ * with the first token's block table, each row masked past its own context (tokens of one
+ * prompt chunk share one table and need no more); then each token's keys in [shared, ctx)
+ * with its own table (answers that share a manual's blocks). A masked key adds exact zeros
+ * and a round a row has no key in leaves its state as it was, so a row's result depends only
+ * on its query, its context and the block size: the same bits whether it is a prompt token or
+ * a decode token, alone or with any others.
  * ------------------------------------------------------------------------------------------- */
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
