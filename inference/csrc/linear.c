@@ -618,7 +618,11 @@ static int linear(const void *x, int m, int64_t ldx, const float *packed, int fo
         {
             float *buf = format != FMT_F32 ? expand_buffer(NULL) : NULL; /* once per thread */
             failed |= format != FMT_F32 && buf == NULL;
-#pragma omp for schedule(static)
+            /* guided: large runs of consecutive groups first (each thread's prefetches of its
+             * next group stay useful), then smaller ones, so a thread the scheduler held
+             * back (the server's other threads share these cores) leaves its last groups to
+             * the other instead of keeping it waiting */
+#pragma omp for schedule(guided)
             for (int g = 0; g < groups; g++) {
                 const int p0 = g * group;
                 const int pn = panels - p0 < group ? panels - p0 : group;
