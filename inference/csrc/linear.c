@@ -607,6 +607,7 @@ static int linear(const void *x, int m, int64_t ldx, const float *packed, int fo
         /* the block's tiles: full MR-row tiles, then one of the rest */
         const int MR = FULL_MR;
         const int full = rows / MR, rest = rows % MR;
+        const int nt = full + (rest >= 4); /* the tiles that fetch the next panels (tile) */
         int np_full = 1, np_rest = 1;
         tile_fn wide_full = 0, narrow_full = 0, wide_rest = 0, narrow_rest = 0;
         if (full) pick(MR, bf, 0, &np_full, &wide_full, &narrow_full);
@@ -651,7 +652,6 @@ static int linear(const void *x, int m, int64_t ldx, const float *packed, int fo
                         char *yr = (char *)y + (int64_t)row * ldy * esize;
                         float *pr = part ? part + (int64_t)(t * MR) * ldp : NULL;
                         int p = p0;
-                        const int nt = full + (rest >= 4); /* the tiles that fetch */
                         for (; p + np <= p0 + pn; p += np)
                             wide(xr, ldxb, src + (p - p0) * ps, ps, k, k0, k1, bias, yr, ldy, pr,
                                  ldp, p * PANEL, n, t, nt);
