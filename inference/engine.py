@@ -604,12 +604,9 @@ class LLMEngine:
         positions: list[int] = []
         tables, seq_lens, q_lens, logits_rows, decodes = [], [], [], [], []
         sampling: list[Request] = []
-        chunk_tokens: list[list[int]] = []
         for req, n, ctx in out.chunks:
             decodes.append(is_decode(req, n, ctx))
-            toks = req.all_token_ids  # built once per chunk, reused for registration below
-            chunk_tokens.append(toks)
-            input_ids.extend(toks[ctx : ctx + n])
+            input_ids.extend(req.token_ids(ctx, ctx + n))
             positions.extend(range(ctx, ctx + n))
             tables.append(self.kv_manager.block_ids(req.request_id))
             seq_lens.append(ctx + n)
@@ -638,13 +635,14 @@ class LLMEngine:
         prefill_chunks = []
         bs = self.kv_spec.block_size
         newly: list | None = [] if self.tier is not None and self.tier.up else None
-        for (req, n, ctx), decode, toks in zip(out.chunks, decodes, chunk_tokens, strict=True):
+        for (req, n, ctx), decode in zip(out.chunks, decodes, strict=True):
             if not decode:
                 self.prompt_tokens_computed += n
                 req.times.prefill_s += dt
                 prefill_chunks.append((n, ctx))
             req.num_computed_tokens = ctx + n
             if (ctx + n) // bs > ctx // bs:  # a block became full: hash and index it
+                toks = req.token_ids(0, (ctx + n) // bs * bs)
                 self.kv_manager.register_computed(req.request_id, toks, ctx + n, newly)
         if newly:
             self._write_through(newly)

@@ -296,3 +296,17 @@ def test_auto_dtype_is_measured_once_per_machine(tmp_path, monkeypatch):
         assert not list(path.parent.glob(".auto-dtype-*"))  # no temporary file left
     finally:
         engine.cpu_bf16_matmul_is_faster.cache_clear()
+
+
+def test_a_requests_token_slices_are_its_joined_tokens():
+    """``Request.token_ids`` (a step's chunk, read without joining prompt and answer) gives
+    the same tokens as slicing the joined list, on either side of the prompt's end and
+    across it."""
+    from inference.sequence import Request
+
+    req = Request("r", [5, 6, 7, 8], SamplingParams())
+    req.output_token_ids.extend([9, 10, 11])
+    joined = req.all_token_ids
+    for start in range(len(joined) + 1):
+        for end in range(start, len(joined) + 1):
+            assert req.token_ids(start, end) == joined[start:end], (start, end)
