@@ -163,12 +163,15 @@ def question(rng: random.Random, tok, n_tokens: int) -> str:
     return tok.decode(ids) + "?"
 
 
-def record(body: dict, token_times: list[float], t0: float, end: float, final: dict) -> dict:
-    """One answer's figures, client side (ms), beside the engine's own."""
+def record(
+    body: dict, token_times: list[float], t0: float, end: float, final: dict, since: float
+) -> dict:
+    """One answer's figures, client side (ms), beside the engine's own; ``since``: the
+    level's start."""
     n = final["usage"]["completion_tokens"]
     first = token_times[0] if token_times else end
     return {
-        "start_s": t0,  # made relative to the level's start by run_level
+        "start_s": t0 - since,
         "ttft_ms": (first - t0) * 1000,
         "tpot_ms": (end - first) * 1000 / (n - 1) if n > 1 else 0.0,
         "e2e_ms": (end - t0) * 1000,
@@ -232,12 +235,10 @@ def run_level(url, headers, tok, args, concurrency: int, rng: random.Random, ram
         headers,
         lambda: jobs.pop() if jobs else None,
         [i * ramp_s / concurrency for i in range(concurrency)],
-        lambda *a: results.append(record(*a)),
+        lambda *a: results.append(record(*a, since=t0)),
     )
     wall = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
-    for r in results:
-        r["start_s"] -= t0
     engine = None
     if before is not None:
         with httpx.Client(base_url=url, headers=headers, timeout=60) as c:

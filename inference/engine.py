@@ -642,8 +642,7 @@ class LLMEngine:
                 prefill_chunks.append((n, ctx))
             req.num_computed_tokens = ctx + n
             if (ctx + n) // bs > ctx // bs:  # a block became full: hash and index it
-                toks = req.token_ids(0, (ctx + n) // bs * bs)
-                self.kv_manager.register_computed(req.request_id, toks, ctx + n, newly)
+                self.kv_manager.register_computed(req.request_id, req.all_token_ids, ctx + n, newly)
         if newly:
             self._write_through(newly)
         if prefill_chunks and len(prefill_chunks) == len(out.chunks):

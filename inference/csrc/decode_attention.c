@@ -850,6 +850,23 @@ static inline __attribute__((always_inline)) void bf_stage(
     }
 }
 
+/* A row's output rescaled by its round's factor (when not 1). */
+static inline __attribute__((always_inline)) void bf_rescale(BfRows *st, int row, float alpha,
+                                                              const int NV) {
+    if (alpha != 1.0f)
+        for (int v = 0; v < NV; v++)
+            st->acc[row][v] = _mm512_mul_ps(st->acc[row][v], _mm512_set1_ps(alpha));
+}
+
+/* A row's 64 weights (16 per vector) to pw as bf16 pairs of consecutive keys. */
+static inline __attribute__((always_inline)) void bf_store_weights(const __m512 s[ROUND / 16],
+                                                                    uint32_t *pw) {
+    for (int kb = 0; kb < ROUND / 16; kb += 2) {
+        const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(s[kb + 1], s[kb]);
+        _mm512_storeu_si512(&pw[kb * 8], w);
+    }
+}
+
 /* One row's online-softmax step over a round: its 64 raw scores s (16 per vector) are scaled
  * and masked past the row's context, the running max, sum and output rescaled, and the
  * weights written to pw as bf16 pairs of consecutive keys. */
@@ -881,13 +898,8 @@ static inline __attribute__((always_inline)) void bf_softmax_row(BfRows *st, int
         st->m[row] == mn ? 1.0f : bf_exp(_mm512_set1_ps(st->m[row] - mn))[0];
     st->l[row] = fmaf(st->l[row], alpha, hsum(sum)); /* one rounding, as bf_softmax_rows */
     st->m[row] = mn;
-    if (alpha != 1.0f)
-        for (int v = 0; v < NV; v++)
-            st->acc[row][v] = _mm512_mul_ps(st->acc[row][v], _mm512_set1_ps(alpha));
-    for (int kb = 0; kb < ROUND / 16; kb += 2) {
-        const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(s[kb + 1], s[kb]);
-        _mm512_storeu_si512(&pw[kb * 8], w);
-    }
+    bf_rescale(st, row, alpha, NV);
+    bf_store_weights(s, pw);
 }
 
 /* Four rows' vectors reduced by hsum's tree (lane l with l + 8, then l + 4, l + 2, l + 1),
@@ -956,13 +968,8 @@ static inline __attribute__((always_inline)) void bf_softmax_row4(BfRows *st, in
         const int row = g0 + i;
         st->l[row] = lo[4 * i];
         st->m[row] = mo[4 * i];
-        if (al[4 * i] != 1.0f)
-            for (int v = 0; v < NV; v++)
-                st->acc[row][v] = _mm512_mul_ps(st->acc[row][v], _mm512_set1_ps(al[4 * i]));
-        for (int kb = 0; kb < ROUND / 16; kb += 2) {
-            const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(s[i][kb + 1], s[i][kb]);
-            _mm512_storeu_si512(&pw[row][kb * 8], w);
-        }
+        bf_rescale(st, row, al[4 * i], NV);
+        bf_store_weights(s[i], pw[row]);
     }
 }
 
@@ -1006,10 +1013,7 @@ static inline __attribute__((always_inline)) void bf_softmax_rows(BfRows *st, in
     _mm512_mask_storeu_ps(&st->m[lo16], live, mn);
     float al[16];
     _mm512_storeu_ps(al, alpha);
-    for (int r = 0; r < rows; r++)
-        if (al[r] != 1.0f)
-            for (int v = 0; v < NV; v++)
-                st->acc[lo16 + r][v] = _mm512_mul_ps(st->acc[lo16 + r][v], _mm512_set1_ps(al[r]));
+    for (int r = 0; r < rows; r++) bf_rescale(st, lo16 + r, al[r], NV);
     const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
                                               9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
                                               17, 1, 16, 0);
