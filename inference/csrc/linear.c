@@ -26,9 +26,9 @@
  * llama.cpp Q4_1 block (d * q + m, q in 0..15, d and m half floats) or Q8_0 block (d * q, q in
  * -127..127; Q4_0 blocks are Q8_0 ones with q in -8..8) is kept in that form: 0.75 or 1.125 bytes a weight instead of 4. docqa_pack_f32
  * checks every value bit for bit (it refuses a weight that is not exactly of the format). Calls
- * of up to QFUSED_ROWS rows expand each weight vector in registers right before its products
- * (qtile); larger calls expand each panel's chunk of terms once into a per-thread float32
- * buffer, then the same register tiles run on it. d * q is exact in float32 (at most 11 + 8
+ * of up to QFUSED_ROWS rows (4, or 16 with AVX2) expand each weight vector in registers right
+ * before its products (qtile); larger calls expand each panel's chunk of terms once into a
+ * per-thread float32 buffer, then the same register tiles run on it. d * q is exact in float32 (at most 11 + 8
  * significant bits), so the expanded values are the weight's own float32 values, and every
  * output is the plain panels' chain: the quantized forms change how many bytes a step reads,
  * never a result.
@@ -482,9 +482,9 @@ THREAD_SCRATCH(expand_buffer, 4 * (K_BLOCK + QBLOCK) * PANEL * sizeof(float))
 static inline __attribute__((always_inline)) void qtile(
     const char *x, int64_t ldx, const char *blocks, int64_t pbytes, int k, const int format,
     const float *bias, float *y, int64_t ldy, int n0, int n, const int MR, const int NP) {
-    __m256 acc[4][8];
+    __m256 acc[6][8];
     const int64_t bb = block_bytes(format);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int r = 0; r < MR; r++)
 #pragma GCC unroll 8
         for (int v = 0; v < 2 * NP; v++) acc[r][v] = _mm256_setzero_ps();
@@ -511,7 +511,7 @@ static inline __attribute__((always_inline)) void qtile(
                     w0 = Q8_HALF(qs + i * PANEL, d0[p]);
                     w1 = Q8_HALF(qs + i * PANEL + 8, d1[p]);
                 }
-#pragma GCC unroll 4
+#pragma GCC unroll 6
                 for (int r = 0; r < MR; r++) {
                     const __m256 xr = _mm256_broadcast_ss(xb + r * ldx / 4 + i);
                     acc[r][2 * p] = _mm256_fmadd_ps(xr, w0, acc[r][2 * p]);
@@ -520,7 +520,7 @@ static inline __attribute__((always_inline)) void qtile(
             }
         }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int r = 0; r < MR; r++)
 #pragma GCC unroll 4
         for (int p = 0; p < NP; p++) {
@@ -546,7 +546,22 @@ typedef void (*qtile_fn)(const char *, int64_t, const char *, int64_t, int, cons
     }
 QTILE(1, 1, 1) QTILE(1, 1, 4) QTILE(1, 2, 1) QTILE(1, 2, 2) QTILE(1, 3, 1) QTILE(1, 4, 1)
 QTILE(2, 1, 1) QTILE(2, 1, 4) QTILE(2, 2, 1) QTILE(2, 2, 2) QTILE(2, 3, 1) QTILE(2, 4, 1)
-#define QFUSED_ROWS 4 /* calls of up to this many rows expand weights in registers */
+QTILE(1, 5, 1) QTILE(1, 6, 1) QTILE(2, 5, 1) QTILE(2, 6, 1)
+/* Calls of up to QFUSED_ROWS rows expand weights in registers (qtile). With AVX2, up to 16
+ * rows: past 4 rows each panel takes the rows in tiles of at most 6 (12 chains), as even as
+ * the count allows, expanding each weight vector once per tile. That beats expanding each
+ * panel once into a buffer for the register tiles (below) up to about 16 rows on 2 Zen 3
+ * cores: the 30 layers and the output layer of SmolLM2 in 0.66-0.74x the time at 5-7 rows,
+ * 0.79-0.91x at 8-13 rows, 0.94-0.99x at 16 and about 1.0-1.1x past 18. A 6-row
+ * tile's broadcasts each feed two products; tiles of half panels (8 features, one product
+ * per broadcast, up to 8 rows) ran 1.1-1.2x slower than the buffer from 16 rows. With
+ * AVX-512 the buffer's wider tiles take every call past 4 rows. */
+#ifdef __AVX512F__
+#define QFUSED_ROWS 4
+#else
+#define QFUSED_ROWS 16
+#endif
+#define QTILE_ROWS 6 /* rows per tile past 4 */
 
 /* y = x @ w.T + bias for m <= QFUSED_ROWS rows of a quantized weight (see qtile) */
 static void linear_q_rows(const char *x, int m, int64_t ldxb, const char *data, int format,
@@ -556,13 +571,26 @@ static void linear_q_rows(const char *x, int m, int64_t ldxb, const char *data, 
         {0},
         {0, qtile_1_1_4, qtile_1_2_2, qtile_1_3_1, qtile_1_4_1},
         {0, qtile_2_1_4, qtile_2_2_2, qtile_2_3_1, qtile_2_4_1}};
-    static const qtile_fn one[3][5] = {
+    static const qtile_fn one[3][QTILE_ROWS + 1] = {
         {0},
-        {0, qtile_1_1_1, qtile_1_2_1, qtile_1_3_1, qtile_1_4_1},
-        {0, qtile_2_1_1, qtile_2_2_1, qtile_2_3_1, qtile_2_4_1}};
+        {0, qtile_1_1_1, qtile_1_2_1, qtile_1_3_1, qtile_1_4_1, qtile_1_5_1, qtile_1_6_1},
+        {0, qtile_2_1_1, qtile_2_2_1, qtile_2_3_1, qtile_2_4_1, qtile_2_5_1, qtile_2_6_1}};
     static const int np_of[5] = {0, 4, 2, 1, 1};
-    const int np = np_of[m], panels = (n + PANEL - 1) / PANEL;
+    const int panels = (n + PANEL - 1) / PANEL;
     const int64_t pbytes = (int64_t)(k / QBLOCK) * block_bytes(format);
+    if (m > 4) {
+        const int tiles = (m + QTILE_ROWS - 1) / QTILE_ROWS;
+#pragma omp parallel for schedule(guided) num_threads(num_threads > 0 ? num_threads : 1)
+        for (int p = 0; p < panels; p++)
+            for (int t = 0, r0 = 0; t < tiles; t++) {
+                const int rows = (m - r0 + tiles - t - 1) / (tiles - t); /* ceil */
+                one[format][rows](x + r0 * ldxb, ldxb, data + p * pbytes, pbytes, k, bias,
+                                  y + r0 * ldy, ldy, p * PANEL, n);
+                r0 += rows;
+            }
+        return;
+    }
+    const int np = np_of[m];
     const int groups = (panels + np - 1) / np;
 #pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1)
     for (int g = 0; g < groups; g++) {
@@ -592,6 +620,7 @@ static int linear(const void *x, int m, int64_t ldx, const float *packed, int fo
                       (float *)y, ldy, num_threads);
         return 0;
     }
+
     const int panels = (n + PANEL - 1) / PANEL;
     const int64_t pstride = (int64_t)k * PANEL;
     const int64_t ldp = (int64_t)panels * PANEL;
