@@ -17,7 +17,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -264,8 +264,8 @@ int docqa_rotary_store_f32(float *qkv, int64_t ldq, int n, int num_heads, int nu
 
 /* Greedy sampling: for each of m rows of n float32 logits (row r at x + r * ldx), the index of
  * its largest value into out[r], the first of equal ones (-0.0 equal to 0.0), or the first NaN
- * where a row has one: torch.argmax's answer. Two passes over a row, 16 lanes wide: its
- * maximum (and whether it holds a NaN), then the first index holding it. */
+ * where a row has one: torch.argmax's answer. Two passes over a row, 16 lanes wide (8 with
+ * AVX2): its maximum (and whether it holds a NaN), then the first index holding it. */
 static int64_t row_argmax(const float *p, int n) {
     int j = 0, nan = 0;
     float best = -INFINITY;
@@ -279,6 +279,17 @@ static int64_t row_argmax(const float *p, int n) {
     }
     best = _mm512_reduce_max_ps(mx);
     nan = unordered != 0;
+#elif defined(__AVX2__)
+    __m256 mx = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+    for (; j + 8 <= n; j += 8) {
+        const __m256 v = _mm256_loadu_ps(p + j);
+        mx = _mm256_max_ps(v, mx); /* v > mx ? v : mx */
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    best = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    nan = _mm256_movemask_ps(unordered) != 0;
 #endif
     for (; j < n; j++) {
         best = p[j] > best ? p[j] : best;
@@ -291,6 +302,14 @@ static int64_t row_argmax(const float *p, int n) {
         const __m512 v = _mm512_loadu_ps(p + j);
         const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
                                   : _mm512_cmp_ps_mask(v, b, _CMP_EQ_OQ);
+        if (hit) return j + __builtin_ctz(hit);
+    }
+#elif defined(__AVX2__)
+    const __m256 b = _mm256_set1_ps(best);
+    for (; j + 8 <= n; j += 8) {
+        const __m256 v = _mm256_loadu_ps(p + j);
+        const int hit = _mm256_movemask_ps(nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q)
+                                               : _mm256_cmp_ps(v, b, _CMP_EQ_OQ));
         if (hit) return j + __builtin_ctz(hit);
     }
 #endif
