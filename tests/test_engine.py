@@ -310,3 +310,26 @@ def test_a_requests_token_slices_are_its_joined_tokens():
     for start in range(len(joined) + 1):
         for end in range(start, len(joined) + 1):
             assert req.token_ids(start, end) == joined[start:end], (start, end)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_copying_a_blocks_first_slots_touches_nothing_else(tiny_model_dir, dtype):
+    """``_copy_slots`` (a prompt's start that a cached block holds) gives block ``dst`` the
+    first ``n`` slots of block ``src`` in every layer's K and V cache, and changes no other
+    slot, block or cache."""
+    eng = LLM(tiny_model_dir, dtype=dtype, kv_cache_gib=0.002).engine
+    gen = torch.Generator().manual_seed(3)
+    for kc, vc in eng.kv_caches:
+        kc.copy_(torch.randn(kc.shape, generator=gen))
+        vc.copy_(torch.randn(vc.shape, generator=gen))
+    blocks, size = eng.kv_caches[0][0].shape[:2]
+    for src, dst, n in [(1, 4, 5), (blocks - 1, 0, size), (2, 3, 0), (3, 2, 1)]:
+        want = [(kc.clone(), vc.clone()) for kc, vc in eng.kv_caches]
+        for kc, vc in want:
+            kc[dst, :n] = kc[src, :n]
+            vc[dst, :n] = vc[src, :n]
+        eng._copy_slots(src, dst, n)
+        for (kc, vc), (wk, wv) in zip(eng.kv_caches, want, strict=True):
+            assert torch.equal(kc, wk) and torch.equal(vc, wv), (src, dst, n)
+    with pytest.raises(IndexError):
+        eng._copy_slots(0, blocks, 1)
