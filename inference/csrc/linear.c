@@ -28,10 +28,10 @@
  * checks every value bit for bit (it refuses a weight that is not exactly of the format). Calls
  * of up to QFUSED_ROWS rows (4, or 16 with AVX2) expand each weight vector in registers right
  * before its products (qtile); larger calls expand each panel's chunk of terms once into a
- * per-thread float32 buffer, then the same register tiles run on it. d * q is exact in float32 (at most 11 + 8
- * significant bits), so the expanded values are the weight's own float32 values, and every
- * output is the plain panels' chain: the quantized forms change how many bytes a step reads,
- * never a result.
+ * per-thread float32 buffer, then the same register tiles run on it. d * q is exact in
+ * float32 (at most 11 + 8 significant bits), so the expanded values are the weight's own
+ * float32 values, and every output is the plain panels' chain: the quantized forms change how
+ * many bytes a step reads, never a result.
  */
 #include <math.h>
 #include <stdint.h>
@@ -474,11 +474,11 @@ static void expand(const char *blk, int format, int nb, float *dst) {
 /* A thread's buffer of expanded panels: the widest group of panels (4) x K_BLOCK inputs. */
 THREAD_SCRATCH(expand_buffer, 4 * (K_BLOCK + QBLOCK) * PANEL * sizeof(float))
 
-/* Calls of a few rows (decode) on a quantized weight: rows [0, MR) against NP consecutive
- * panels of blocks (panel stride pbytes), every term at once, each weight vector expanded in
- * registers right before its products (no buffer: a step of one row reads 0.75 bytes a weight
- * and writes nothing). The chains are the tiles' own: acc + x * w over k in order from zero,
- * then the bias. */
+/* Calls of a few rows (decode; up to QFUSED_ROWS) on a quantized weight: rows [0, MR), at most
+ * 6, against NP consecutive panels of blocks (panel stride pbytes), every term at once, each
+ * weight vector expanded in registers right before its products (no buffer: a step of one row
+ * reads 0.75 bytes a weight and writes nothing). The chains are the tiles' own: acc + x * w
+ * over k in order from zero, then the bias. */
 static inline __attribute__((always_inline)) void qtile(
     const char *x, int64_t ldx, const char *blocks, int64_t pbytes, int k, const int format,
     const float *bias, float *y, int64_t ldy, int n0, int n, const int MR, const int NP) {
@@ -620,7 +620,6 @@ static int linear(const void *x, int m, int64_t ldx, const float *packed, int fo
                       (float *)y, ldy, num_threads);
         return 0;
     }
-
     const int panels = (n + PANEL - 1) / PANEL;
     const int64_t pstride = (int64_t)k * PANEL;
     const int64_t ldp = (int64_t)panels * PANEL;
