@@ -36,6 +36,7 @@ import platform
 import random
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -319,6 +320,18 @@ def goals_of(levels: list[dict]) -> dict:
     }
 
 
+def _revision() -> str:
+    """This tree's commit, ``+changes`` when tracked files differ from it ("" outside git)."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT).returncode != 0
+    except OSError:
+        return ""
+    return head + ("+changes" if head and dirty else "")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", help="a running server (default: start one on a temporary SQLite)")
@@ -470,6 +483,7 @@ def main() -> int:
         json.dumps(
             {
                 "machine": machine,
+                "revision": _revision(),  # the tree a started server ran
                 "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                 "levels": levels,  # every round's answers pooled per level
                 "goals": goals,
