@@ -21,6 +21,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #define MAX_DIM 256
 #define MAX_GROUP 16
@@ -100,11 +103,20 @@ static inline int layout_pos(int i, int dtype) {
  * x = n ln2 + r, exp(r) by a degree-6 polynomial (Cephes' expf), times 2^n. */
 static inline vf exp_nonpositive(vf x) {
     const vf lo = (vf){0} - 87.0f;
-    const vi below = x < lo;
-    x = vselect(below, lo, x);
-    vf y0 = x * 1.44269504088896341f + 0.5f;
-    vf n = __builtin_convertvector(__builtin_convertvector(y0, vi), vf);  /* toward zero */
-    n += __builtin_convertvector(n > y0, vf);                              /* floor */
+#if LANES == 16 && defined(__AVX512F__)
+    x = (vf)_mm512_max_ps((__m512)lo, (__m512)x); /* lo > x ? lo : x (a NaN stays) */
+    const vf y0 = x * 1.44269504088896341f + 0.5f;
+    const vf n = (vf)_mm512_floor_ps((__m512)y0);
+#elif LANES == 8 && defined(__AVX__)
+    x = (vf)_mm256_max_ps((__m256)lo, (__m256)x); /* lo > x ? lo : x (a NaN stays) */
+    const vf y0 = x * 1.44269504088896341f + 0.5f;
+    const vf n = (vf)_mm256_floor_ps((__m256)y0);
+#else
+    x = vselect(x < lo, lo, x);
+    const vf y0 = x * 1.44269504088896341f + 0.5f;
+    vf n = __builtin_convertvector(__builtin_convertvector(y0, vi), vf); /* toward zero */
+    n += __builtin_convertvector(n > y0, vf);                             /* floor */
+#endif
     vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
     vf z = r * r;
     vf y = r * 1.9875691500e-4f + 1.3981999507e-3f;
