@@ -189,21 +189,24 @@ static inline float hmax(vf v) {
 /* One row's online-softmax step over a round: its first nv scores in s (nv >= 1; vectors of
  * LANES keys) become the round's weights, the rest of `vecs` vectors zero; its running maximum
  * m and sum l take the round in. Returns the factor its output is rescaled by. */
-static inline float round_softmax(float *s, int nv, int vecs, float *m, float *l) {
+static inline __attribute__((always_inline)) float round_softmax_of(float *s, int nv, int vecs,
+                                                                     float *m, float *l,
+                                                                     const int FULL) {
     const vi lane_ids = LANE_IDS;
     const vf zero = {0};
     const int groups = (nv + LANES - 1) / LANES;
-    vf mx = vselect(lane_ids < nv, *(const vf_u *)s, zero + s[0]);
+    vf mx = FULL ? *(const vf_u *)s : vselect(lane_ids < nv, *(const vf_u *)s, zero + s[0]);
     for (int q16 = 1; q16 < groups; q16++) {
-        const vf x = vselect(lane_ids < nv - q16 * LANES, *(const vf_u *)(s + q16 * LANES), mx);
+        const vf v = *(const vf_u *)(s + q16 * LANES);
+        const vf x = FULL ? v : vselect(lane_ids < nv - q16 * LANES, v, mx);
         mx = vselect(x > mx, x, mx);
     }
     const float bm = hmax(mx);
     const float mn = *m > bm ? *m : bm;
     vf sum = zero;
     for (int q16 = 0; q16 < groups; q16++) {
-        const vi valid = lane_ids < nv - q16 * LANES;
-        const vf w = (vf)((vi)exp_nonpositive(*(const vf_u *)(s + q16 * LANES) - mn) & valid);
+        vf w = exp_nonpositive(*(const vf_u *)(s + q16 * LANES) - mn);
+        if (!FULL) w = (vf)((vi)w & (lane_ids < nv - q16 * LANES));
         *(vf_u *)(s + q16 * LANES) = w;
         sum += w;
     }
@@ -212,6 +215,13 @@ static inline float round_softmax(float *s, int nv, int vecs, float *m, float *l
     *l = *l * alpha + hsum(sum);
     *m = mn;
     return alpha;
+}
+
+/* round_softmax_of, its masks left out when every lane of the round holds a key (the same
+ * values: a full round's masks keep every lane) */
+static inline float round_softmax(float *s, int nv, int vecs, float *m, float *l) {
+    return nv % LANES == 0 ? round_softmax_of(s, nv, vecs, m, l, 1)
+                           : round_softmax_of(s, nv, vecs, m, l, 0);
 }
 
 /* A unit's query rows and their running softmax state. */
