@@ -99,24 +99,29 @@ static inline int layout_pos(int i, int dtype) {
     return chunk * 2 * LANES + (k % 2) * LANES + k / 2;
 }
 
+/* lo > x ? lo : x, lane by lane (a NaN x stays), and floor(x): one instruction each where
+ * the target has them, the same values either way */
+#if LANES == 16 && defined(__AVX512F__)
+static inline vf at_least(vf x, vf lo) { return (vf)_mm512_max_ps((__m512)lo, (__m512)x); }
+static inline vf vfloor(vf x) { return (vf)_mm512_floor_ps((__m512)x); }
+#elif LANES == 8 && defined(__AVX__)
+static inline vf at_least(vf x, vf lo) { return (vf)_mm256_max_ps((__m256)lo, (__m256)x); }
+static inline vf vfloor(vf x) { return (vf)_mm256_floor_ps((__m256)x); }
+#else
+static inline vf at_least(vf x, vf lo) { return vselect(x < lo, lo, x); }
+static inline vf vfloor(vf x) {
+    const vf n = __builtin_convertvector(__builtin_convertvector(x, vi), vf); /* toward zero */
+    return n + __builtin_convertvector(n > x, vf);
+}
+#endif
+
 /* exp(x) for x <= 0 (a score minus the running maximum), relative error about 2e-7:
  * x = n ln2 + r, exp(r) by a degree-6 polynomial (Cephes' expf), times 2^n. */
 static inline vf exp_nonpositive(vf x) {
     const vf lo = (vf){0} - 87.0f;
-#if LANES == 16 && defined(__AVX512F__)
-    x = (vf)_mm512_max_ps((__m512)lo, (__m512)x); /* lo > x ? lo : x (a NaN stays) */
+    x = at_least(x, lo);
     const vf y0 = x * 1.44269504088896341f + 0.5f;
-    const vf n = (vf)_mm512_floor_ps((__m512)y0);
-#elif LANES == 8 && defined(__AVX__)
-    x = (vf)_mm256_max_ps((__m256)lo, (__m256)x); /* lo > x ? lo : x (a NaN stays) */
-    const vf y0 = x * 1.44269504088896341f + 0.5f;
-    const vf n = (vf)_mm256_floor_ps((__m256)y0);
-#else
-    x = vselect(x < lo, lo, x);
-    const vf y0 = x * 1.44269504088896341f + 0.5f;
-    vf n = __builtin_convertvector(__builtin_convertvector(y0, vi), vf); /* toward zero */
-    n += __builtin_convertvector(n > y0, vf);                             /* floor */
-#endif
+    const vf n = vfloor(y0);
     vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
     vf z = r * r;
     vf y = r * 1.9875691500e-4f + 1.3981999507e-3f;
