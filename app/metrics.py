@@ -13,6 +13,7 @@ _LATENCY_BUCKETS = (
 )  # fmt: skip
 _STEP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+STEP_KINDS = ("decode", "prefill", "mixed")  # docqa:scheduler_step_seconds_by_kind's kinds
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -143,6 +144,17 @@ class ServiceMetrics:
             buckets=_STEP_BUCKETS,
             registry=self.registry,
         )
+        self.step_time_by_kind = Histogram(
+            "docqa:scheduler_step_seconds_by_kind",
+            "Time of one engine step by what its batch carried: kind=decode (decode tokens only), "
+            "prefill (prompt tokens only) or mixed (both: the steps whose prompt work holds up "
+            "the answers decoding in them)",
+            ["kind"],
+            buckets=_STEP_BUCKETS,
+            registry=self.registry,
+        )
+        for kind in STEP_KINDS:
+            self.step_time_by_kind.labels(kind=kind)
         self.iteration_time = Histogram(
             "docqa:engine_iteration_seconds",
             "Engine thread time per step: the requests and cancellations taken before it, the "
@@ -183,6 +195,8 @@ class ServiceMetrics:
         """One step that ran a batch: ``seconds`` in the model, ``iteration`` of the engine
         thread's work for it from the commands before it to its tokens' hand-off."""
         self.step_time.observe(seconds)
+        kind = "mixed" if prefill and decode else "prefill" if prefill else "decode"
+        self.step_time_by_kind.labels(kind=kind).observe(seconds)
         self.iteration_time.observe(iteration)
         self.batch_size.observe(seqs)
         self.prefill_tokens.observe(prefill)

@@ -20,7 +20,9 @@ table and as JSON under bench/results/, with the share of a core the clients the
 generator takes as little as it can of the CPU the server runs on) and the engine's own steps
 at each level, from the server's /metrics: time in the model per step, the engine thread's time
 per step outside the model (scheduling, inputs, sampling, the tokens' hand-off and waits for
-the interpreter lock the event loop holds), and the decode and prompt tokens a step carried.
+the interpreter lock the event loop holds), the decode and prompt tokens a step carried, and
+the time in the model of the steps that carried decode tokens only and of the mixed ones, with
+prompt tokens beside them: the answers decoding in a mixed step wait for its prompt work.
 ``--rounds R`` runs the levels R times in turn and pools each level's answers, so that a slow
 spell of the machine falls on every level alike; the ratios of each round are printed too.
 Without ``--url`` it starts its own server.
@@ -191,6 +193,14 @@ STEP_METRICS = {
     "prompt_tokens": "docqa:prefill_tokens_per_step_sum",
     "iteration_s": "docqa:engine_iteration_seconds_sum",
 }
+# the steps by what they carried (servers that show them): decode tokens only, or prompt tokens
+# beside decode tokens
+_BY_KIND = "docqa:scheduler_step_seconds_by_kind"
+KIND_METRICS = {
+    f"{kind}_{key}": f'{_BY_KIND}_{part}{{kind="{kind}"}}'
+    for kind in ("decode", "mixed")
+    for key, part in (("steps", "count"), ("step_s", "sum"))
+}
 
 
 def engine_counters(c: httpx.Client) -> dict[str, float] | None:
@@ -201,7 +211,10 @@ def engine_counters(c: httpx.Client) -> dict[str, float] | None:
         return None
     if not all(name in m for name in STEP_METRICS.values()):
         return None
-    return {key: m[name] for key, name in STEP_METRICS.items()}
+    out = {key: m[name] for key, name in STEP_METRICS.items()}
+    if all(name in m for name in KIND_METRICS.values()):
+        out |= {key: m[name] for key, name in KIND_METRICS.items()}
+    return out
 
 
 def run_level(url, headers, tok, args, concurrency: int, rng: random.Random, ramp_s: float) -> dict:
@@ -245,7 +258,7 @@ def run_level(url, headers, tok, args, concurrency: int, rng: random.Random, ram
         with httpx.Client(base_url=url, headers=headers, timeout=60) as c:
             after = engine_counters(c)
         if after is not None:
-            engine = {k: after[k] - before[k] for k in STEP_METRICS}
+            engine = {k: after[k] - before[k] for k in after if k in before}
     return summarize(concurrency, ramp_s, results, wall, cpu, engine)
 
 
@@ -265,6 +278,11 @@ def summarize(
     tpot = [r["tpot_ms"] for r in results]
     out_tokens = sum(r["completion_tokens"] for r in results)
     steps = engine["steps"] if engine else 0
+
+    def ms_per_step(kind: str) -> float | None:
+        n = (engine or {}).get(f"{kind}_steps")
+        return engine[f"{kind}_step_s"] * 1000 / n if n else None
+
     return {
         "concurrency": concurrency,
         "ramp_s": ramp_s,
@@ -289,6 +307,10 @@ def summarize(
         else None,
         "decode_tokens_per_step": engine["decode_tokens"] / steps if steps else None,
         "prompt_tokens_per_step": engine["prompt_tokens"] / steps if steps else None,
+        # time in the model per step of decode tokens only, and per step that also carried
+        # prompt tokens (what a question's prefill costs the answers decoding beside it)
+        "decode_step_ms": ms_per_step("decode"),
+        "mixed_step_ms": ms_per_step("mixed"),
         "per_request": results,
     }
 
@@ -305,7 +327,9 @@ def pooled(rounds: list[list[dict]]) -> list[dict]:
                 [r for lvl in same for r in lvl["per_request"]],
                 sum(lvl["wall_s"] for lvl in same),
                 sum(lvl["client_cpu_s"] for lvl in same),
-                None if None in engines else {k: sum(e[k] for e in engines) for k in STEP_METRICS},
+                None
+                if None in engines
+                else {k: sum(e[k] for e in engines) for k in set.intersection(*map(set, engines))},
             )
         )
     return out
@@ -438,18 +462,25 @@ def main() -> int:
     if all(lvl["step_ms"] is not None for lvl in levels):
         print(
             "\nengine steps while the clients asked (from /metrics): time in the model per step, "
-            "the engine thread's time per step outside it, and the tokens a step carried\n"
+            "the engine thread's time per step outside it, the tokens a step carried, and the "
+            "time in the model of the steps with decode tokens only and of those with prompt "
+            "tokens beside them\n"
         )
         print(
             "| clients | steps | ms per step | ms outside the model | decode tokens per step "
-            "| prompt tokens per step |"
+            "| prompt tokens per step | ms per decode-only step | ms per mixed step |"
         )
-        print("|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|")
+
+        def ms(v: float | None) -> str:
+            return "-" if v is None else f"{v:.1f}"
+
         for lvl in levels:
             print(
                 f"| {lvl['concurrency']} | {lvl['engine']['steps']:.0f} | {lvl['step_ms']:.1f} "
                 f"| {lvl['outside_model_ms']:.2f} "
-                f"| {lvl['decode_tokens_per_step']:.1f} | {lvl['prompt_tokens_per_step']:.1f} |"
+                f"| {lvl['decode_tokens_per_step']:.1f} | {lvl['prompt_tokens_per_step']:.1f} "
+                f"| {ms(lvl['decode_step_ms'])} | {ms(lvl['mixed_step_ms'])} |"
             )
     decode = 1000 / base["tpot_p50_ms"] if base["tpot_p50_ms"] else float("nan")
     llama, llama_source = llama_cpp_decode()

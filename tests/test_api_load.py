@@ -132,6 +132,7 @@ def test_metrics_cover_the_scheduler(sqlite_server):
     from svc_helpers import metrics
 
     with sqlite_server.client() as c:
+        start = metrics(c)  # the server is shared: what earlier tests did is left out
         m = c.post("/v1/manuals", json={"title": "t", "text": f"{time.time()} {SAMPLE}"}).json()
         ask(c, m["id"], "Which option compresses?", max_tokens=3)
         before = metrics(c).get("docqa:prefix_cache_copied_tokens_total", 0)
@@ -140,6 +141,17 @@ def test_metrics_cover_the_scheduler(sqlite_server):
         u = ask(c, m["id"], "Which option lists?", max_tokens=3)["usage"]
         names = metrics(c)
         engine = c.get("/v1/engine").json()
+        # a question asked while another answer decodes: its prompt shares that answer's steps
+        body = {"manual_id": m["id"], "question": "Describe it.", "max_tokens": 200}
+        body |= {"ignore_eos": True, "stream": True}
+        with c.stream("POST", "/v1/ask", json=body) as r:
+            lines = r.iter_lines()
+            assert any(line.startswith("event: token") for line in lines)
+            ask(c, m["id"], "Which option extracts?", max_tokens=2)
+            c.post(f"/v1/requests/{r.headers['x-request-id']}/cancel")
+            for _ in lines:
+                pass
+        later = metrics(c)
     copied = names["docqa:prefix_cache_copied_tokens_total"] - before
     assert 0 < copied < 16 and u["cached_tokens"] % 16 == copied
     total = names["docqa:prefix_cache_copied_tokens_total"]
@@ -160,3 +172,21 @@ def test_metrics_cover_the_scheduler(sqlite_server):
     assert names["docqa:engine_iteration_seconds_count"] == steps
     assert names["docqa:engine_iteration_seconds_sum"] > names["docqa:scheduler_step_seconds_sum"]
     assert names["docqa:decode_tokens_per_step_sum"] >= 2
+    # the step times by kind: each step once, under what its batch carried
+    by_kind = "docqa:scheduler_step_seconds_by_kind"
+    for part in ("count", "sum"):
+        total = sum(
+            names[f'{by_kind}_{part}{{kind="{k}"}}'] for k in ("decode", "prefill", "mixed")
+        )
+        assert total == pytest.approx(names[f"docqa:scheduler_step_seconds_{part}"]), part
+
+    # two questions asked one after the other: their prompts in steps of their own, their
+    # answers' later tokens in decode steps
+    def steps_of(kind: str, m: dict) -> float:
+        name = f'{by_kind}_count{{kind="{kind}"}}'
+        return m[name] - start.get(name, 0)
+
+    assert steps_of("prefill", names) >= 2
+    assert steps_of("decode", names) >= 2
+    assert steps_of("mixed", names) == 0
+    assert steps_of("mixed", later) >= 1
