@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from inference.engine import EngineConfig, LLMEngine
+from inference import cpu_kernels
+from inference.engine import EngineConfig, LLMEngine, default_device
 from inference.errors import DocqaError
 from inference.llm import resolve_model
 from inference.metrics import RequestMetrics
@@ -167,6 +168,8 @@ class EngineRunner:
     def _main(self) -> None:
         try:
             t0 = time.perf_counter()
+            if default_device().type == "cpu":
+                cpu_kernels.prebuild()  # a first start compiles beside the model's import
             model_dir = resolve_model(self._model)
             engine = LLMEngine(EngineConfig(model_dir=model_dir, **self._engine_kwargs))
             self.builder = PromptBuilder(engine.tokenizer)

@@ -247,6 +247,8 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device) if config.device else default_device()
+        if self.device.type == "cpu":
+            cpu_kernels.prebuild()  # compiled beside the model's loading where not yet built
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = parse_dtype(config.kv_dtype) if config.kv_dtype else self.dtype
         self.model_dir = model_dir
