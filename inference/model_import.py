@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from inference.errors import ModelError
+from inference.gguf_file import read_gguf
 
 log = logging.getLogger(__name__)
 
@@ -140,13 +141,6 @@ def _hf_name(name: str) -> str:
     raise ModelError(f"unexpected tensor {name!r} in GGUF file")
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
-
-
 def import_gguf(gguf_path: Path, out_dir: Path, force: bool = False) -> Path:
     """Convert a Llama-family GGUF to a Hugging Face directory at ``out_dir``."""
     import gguf
@@ -158,20 +152,20 @@ def import_gguf(gguf_path: Path, out_dir: Path, force: bool = False) -> Path:
     if (out_dir / "config.json").exists() and not force:
         return out_dir
     try:
-        reader = gguf.GGUFReader(str(gguf_path))
+        reader = read_gguf(gguf_path)
     except Exception as e:  # noqa: BLE001 - any parse failure is a bad file for the user
         raise ModelError(f"{gguf_path} is not a readable GGUF file ({e})") from None
-    arch = _field(reader, "general.architecture")
+    arch = reader.get("general.architecture")
     if arch != "llama":
         raise ModelError(f"{gguf_path}: architecture {arch!r} is not supported (llama only)")
 
     def a(key, default=None):
-        return _field(reader, f"llama.{key}", default)
+        return reader.get(f"llama.{key}", default)
 
     n_head = int(a("attention.head_count"))
     n_kv = int(a("attention.head_count_kv", n_head))
     hidden = int(a("embedding_length"))
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+    tokens = reader.get("tokenizer.ggml.tokens")
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -185,8 +179,8 @@ def import_gguf(gguf_path: Path, out_dir: Path, force: bool = False) -> Path:
         "rope_theta": float(a("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(a("context_length", 2048)),
         "vocab_size": int(a("vocab_size", len(tokens))),
-        "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id", 1)),
-        "eos_token_id": int(_field(reader, "tokenizer.ggml.eos_token_id", 2)),
+        "bos_token_id": int(reader.get("tokenizer.ggml.bos_token_id", 1)),
+        "eos_token_id": int(reader.get("tokenizer.ggml.eos_token_id", 2)),
         "hidden_act": "silu",
         "attention_bias": False,
         "torch_dtype": "bfloat16",
@@ -217,13 +211,13 @@ def import_gguf(gguf_path: Path, out_dir: Path, force: bool = False) -> Path:
 
     tok_json, tok_config = build_tokenizer_from_gguf_fields(
         tokens=tokens,
-        merges=_field(reader, "tokenizer.ggml.merges") or [],
-        token_types=_field(reader, "tokenizer.ggml.token_type"),
-        pre=_field(reader, "tokenizer.ggml.pre", "default"),
-        model_kind=_field(reader, "tokenizer.ggml.model", "gpt2"),
+        merges=reader.get("tokenizer.ggml.merges") or [],
+        token_types=reader.get("tokenizer.ggml.token_type"),
+        pre=reader.get("tokenizer.ggml.pre", "default"),
+        model_kind=reader.get("tokenizer.ggml.model", "gpt2"),
         bos_id=config["bos_token_id"],
         eos_id=config["eos_token_id"],
-        chat_template=_field(reader, "tokenizer.chat_template"),
+        chat_template=reader.get("tokenizer.chat_template"),
         max_length=config["max_position_embeddings"],
     )
     (tmp_dir / "tokenizer.json").write_text(tok_json)
