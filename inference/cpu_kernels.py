@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -150,6 +151,12 @@ def prebuild() -> None:
     largest together against 13 s in turn). Each library's first use waits for its build."""
     if os.environ.get("DOCQA_CPU_KERNELS", "1") == "0" or _compiler() is None:
         return
+    # a process stopped while it compiled leaves its temporary output behind: those an hour
+    # old are no build in progress (the compiler has two minutes)
+    for tmp in (docqa_home() / "kernels").glob(".*.so"):
+        with contextlib.suppress(OSError):
+            if time.time() - tmp.stat().st_mtime > 3600:
+                tmp.unlink()
 
     def run(src: Path) -> None:
         # a failure is left to first use, which builds again and reports it

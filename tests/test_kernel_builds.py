@@ -2,7 +2,9 @@
 start (``cpu_kernels.prebuild``)."""
 
 import ctypes
+import os
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -47,7 +49,15 @@ def test_a_kernel_built_by_several_callers_at_once_compiles_once(tmp_path, monke
 def test_prebuilt_kernels_are_waited_for_not_built_again(tmp_path, monkeypatch):
     log = _logging_compiler(tmp_path, monkeypatch)
     sources = sorted((Path(cpu_kernels.__file__).parent / "csrc").glob("*.c"))
+    # temporary outputs: one left by a process stopped mid-build long ago, one in progress
+    kernels = tmp_path / "home" / "kernels"
+    kernels.mkdir(parents=True)
+    stale, fresh = kernels / ".linear-abc.so", kernels / ".linear-def.so"
+    stale.write_bytes(b"")
+    fresh.write_bytes(b"")
+    os.utime(stale, (time.time() - 7200,) * 2)
     cpu_kernels.prebuild()
+    assert not stale.exists() and fresh.exists()
     # first use of each, while the builds run: one compiler call per source in all
     built = [cpu_kernels.build(src) for src in sources]
     assert all(p.is_file() for p in built)
