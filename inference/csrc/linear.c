@@ -114,12 +114,20 @@ static inline __attribute__((always_inline)) void tile(
          * share the fetching, tile t the lines of the steps kk - k0 = t (mod nt): the memory
          * streams at an even pace through all of them, where the first alone would fetch
          * every line in a burst that stalls it and leaves the memory idle during the others
-         * (5-9% faster for 16-55 rows on 2 Zen 5 cores). Tiles of a few rows stream at the
-         * memory's pace and are left to the hardware prefetcher. Where one or two tiles take
-         * each group, the lines go to L2 only: fetched into L1 as well, they pushed out the
-         * lines of the group the tiles were computing on (2 Zen 4 cores, bf16, the 30
-         * layers: 4-16 rows 0.88-0.95x the time, the output layer 0.83-0.93x; from three
-         * tiles on, L1 as before, where L2 only was up to 1.05x slower). */
+         * (5-9% faster for 16-55 rows on 2 Zen 5 cores). Where one or two tiles take each
+         * group, the lines go to L2 only: fetched into L1 as well, they pushed out the lines
+         * of the group the tiles were computing on (2 Zen 4 cores, bf16, the 30 layers: 4-16
+         * rows 0.88-0.95x the time, the output layer 0.83-0.93x; from three tiles on, L1 as
+         * before, where L2 only was up to 1.05x slower). Tiles of a few rows stream at the
+         * memory's pace: each of their panels' line 24 steps ahead goes to L2 (left to the
+         * hardware prefetcher, one row read the 30 layers' weights at 31 GB/s where those two
+         * cores read 55; with it, 1-3 rows took 0.83-0.97x the time over six runs, the
+         * output layer 0.90-0.97x; 8 and 16 steps ahead gained less, fetching into L1
+         * lost). */
+        if (MR < 4)
+#pragma GCC unroll 4
+            for (int p = 0; p < NP; p++)
+                __builtin_prefetch(packed + p * pstride + (int64_t)(kk + 24) * PANEL, 0, 2);
         if (MR >= 4) {
             if (turn == 0)
 #pragma GCC unroll 4
