@@ -90,6 +90,7 @@ def machine_file(stem: str, *key: str) -> Path:
 # builds in flight in this process, by output: a second caller waits for the first's
 _building: dict[Path, concurrent.futures.Future] = {}
 _building_lock = threading.Lock()
+_prebuilt: set[Path] = set()  # the kernel directories prebuild has started on
 
 
 def build(src: Path) -> Path:
@@ -148,9 +149,15 @@ def prebuild() -> None:
     """Starts building the CPU kernels this machine lacks, each in a thread of its own, and
     returns: a first start then compiles them side by side, and beside the model's import and
     loading, where first use would build them one after another (on 2 cores, 7 s for the two
-    largest together against 13 s in turn). Each library's first use waits for its build."""
+    largest together against 13 s in turn). Each library's first use waits for its build.
+    Once a process per kernel directory: the server calls it before the model's import, the
+    engine again as it starts."""
     if os.environ.get("DOCQA_CPU_KERNELS", "1") == "0" or _compiler() is None:
         return
+    with _building_lock:
+        if docqa_home() / "kernels" in _prebuilt:
+            return
+        _prebuilt.add(docqa_home() / "kernels")
     # a process stopped while it compiled leaves its temporary output behind: those an hour
     # old are no build in progress (the compiler has two minutes)
     for tmp in (docqa_home() / "kernels").glob(".*.so"):

@@ -124,11 +124,11 @@ static inline __attribute__((always_inline)) void tile(
          * cores read 55; with it, 1-3 rows took 0.83-0.97x the time over six runs, the
          * output layer 0.90-0.97x; 8 and 16 steps ahead gained less, fetching into L1
          * lost). */
-        if (MR < 4)
+        if (MR < 4) {
 #pragma GCC unroll 4
             for (int p = 0; p < NP; p++)
                 __builtin_prefetch(packed + p * pstride + (int64_t)(kk + 24) * PANEL, 0, 2);
-        if (MR >= 4) {
+        } else {
             if (turn == 0)
 #pragma GCC unroll 4
                 for (int p = 0; p < NP; p++) {
