@@ -25,6 +25,11 @@ the time in the model of the steps that carried decode tokens only and of the mi
 prompt tokens beside them: the answers decoding in a mixed step wait for its prompt work.
 ``--rounds R`` runs the levels R times in turn and pools each level's answers, so that a slow
 spell of the machine falls on every level alike; the ratios of each round are printed too.
+Each level also reports the CPU time this machine's hypervisor gave to other guests while the
+clients asked (``steal`` in /proc/stat, as a share of all CPU time; blank off Linux): on a
+virtual machine a level with steal ran slower than the machine, and a ratio between levels
+that stole differently is skewed. With ``--url`` it is the steal of the machine the clients run
+on.
 Without ``--url`` it starts its own server.
 """
 
@@ -203,6 +208,21 @@ KIND_METRICS = {
 }
 
 
+def cpu_ticks(stat: str = "/proc/stat") -> tuple[int, int] | None:
+    """(steal, total): this machine's CPU time given to other guests, and all its CPU time,
+    in clock ticks since boot, from /proc/stat (None where there is no such file)."""
+    try:
+        with open(stat) as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    # user nice system idle iowait irq softirq steal (guest time is inside user and nice)
+    ticks = [int(v) for v in fields[1:9]]
+    return ticks[7], sum(ticks)
+
+
 def engine_counters(c: httpx.Client) -> dict[str, float] | None:
     """The engine's step counters from /metrics (None when the server does not show them)."""
     try:
@@ -242,6 +262,7 @@ def run_level(url, headers, tok, args, concurrency: int, rng: random.Random, ram
     ]
     rng.shuffle(jobs)
     results: list[dict] = []
+    ticks0 = cpu_ticks()
     cpu0 = time.process_time()
     t0 = time.perf_counter()
     run_clients(
@@ -253,13 +274,19 @@ def run_level(url, headers, tok, args, concurrency: int, rng: random.Random, ram
     )
     wall = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
+    ticks1 = cpu_ticks()
+    steal = (
+        None
+        if ticks0 is None or ticks1 is None
+        else [b - a for a, b in zip(ticks0, ticks1, strict=True)]
+    )
     engine = None
     if before is not None:
         with httpx.Client(base_url=url, headers=headers, timeout=60) as c:
             after = engine_counters(c)
         if after is not None:
             engine = {k: after[k] - before[k] for k in after if k in before}
-    return summarize(concurrency, ramp_s, results, wall, cpu, engine)
+    return summarize(concurrency, ramp_s, results, wall, cpu, engine, steal)
 
 
 def summarize(
@@ -269,11 +296,13 @@ def summarize(
     wall: float,
     client_cpu: float,
     engine: dict[str, float] | None,
+    steal_ticks: list[int] | None = None,
 ) -> dict:
     """A level's figures over its answers (several rounds' answers pooled, walls and engine
     counters added). ``engine``: the engine's step counters over the level (the steps the
     server ran while its clients asked: their count, seconds in the model, and the decode and
-    prompt tokens they carried), or None where /metrics does not show them."""
+    prompt tokens they carried), or None where /metrics does not show them. ``steal_ticks``:
+    [stolen, all] CPU ticks of the machine over the level (``cpu_ticks``), or None."""
     ttft = [r["ttft_ms"] for r in results]
     tpot = [r["tpot_ms"] for r in results]
     out_tokens = sum(r["completion_tokens"] for r in results)
@@ -298,6 +327,11 @@ def summarize(
         / sum(r["prompt_tokens"] for r in results),
         "client_cpu_s": client_cpu,
         "client_cpu_share": client_cpu / wall,  # of one core, taken by this load generator
+        "cpu_steal_ticks": steal_ticks,
+        # of all this machine's CPU time over the level, given by its hypervisor to other guests
+        "cpu_steal_share": steal_ticks[0] / steal_ticks[1]
+        if steal_ticks and steal_ticks[1]
+        else None,
         "engine": engine,
         "step_ms": engine["step_s"] * 1000 / steps if steps else None,
         # the engine thread's time per step outside the model (scheduling, inputs, sampling,
@@ -330,6 +364,9 @@ def pooled(rounds: list[list[dict]]) -> list[dict]:
                 None
                 if None in engines
                 else {k: sum(e[k] for e in engines) for k in set.intersection(*map(set, engines))},
+                None
+                if any(lvl.get("cpu_steal_ticks") is None for lvl in same)
+                else [sum(t) for t in zip(*(lvl["cpu_steal_ticks"] for lvl in same), strict=True)],
             )
         )
     return out
@@ -438,6 +475,11 @@ def main() -> int:
             srv.stop()
     levels = pooled(rounds)
     base = levels[0]
+
+    def steal_of(lvl: dict) -> str:
+        share = lvl.get("cpu_steal_share")
+        return "" if share is None else f"{share:.1%}"
+
     print(
         f"\nworkload: {args.groups} manuals x {args.prompts_per_group} questions, manual "
         f"~{args.manual_tokens} tokens, question ~{args.question_tokens}, output "
@@ -447,9 +489,9 @@ def main() -> int:
     )
     print(
         "| clients | req/s | output tok/s | x 1 client | TTFT p50 ms | TTFT p99 ms "
-        "| TPOT p50 ms | TPOT p99 ms | cache hit rate | client CPU |"
+        "| TPOT p50 ms | TPOT p99 ms | cache hit rate | client CPU | CPU steal |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for lvl in levels:
         print(
             f"| {lvl['concurrency']} | {lvl['request_throughput']:.2f} "
@@ -457,7 +499,8 @@ def main() -> int:
             f"| {lvl['output_tokens_per_s'] / base['output_tokens_per_s']:.2f} "
             f"| {lvl['ttft_p50_ms']:.0f} | {lvl['ttft_p99_ms']:.0f} "
             f"| {lvl['tpot_p50_ms']:.1f} | {lvl['tpot_p99_ms']:.1f} "
-            f"| {lvl['cache_hit_rate']:.3f} | {lvl['client_cpu_share']:.1%} |"
+            f"| {lvl['cache_hit_rate']:.3f} | {lvl['client_cpu_share']:.1%} "
+            f"| {steal_of(lvl)} |"
         )
     if all(lvl["step_ms"] is not None for lvl in levels):
         print(
@@ -501,8 +544,10 @@ def main() -> int:
 
     print(f"at {top['concurrency']} clients: {ratios(goals)}")
     if len(rounds) > 1:
-        for i, g in enumerate(by_round, 1):
-            print(f"  round {i}: {ratios(g)}")
+        for i, (g, r) in enumerate(zip(by_round, rounds, strict=True), 1):
+            steals = [steal_of(lvl) for lvl in r]
+            stolen = f"; CPU steal by level {', '.join(steals)}" if all(steals) else ""
+            print(f"  round {i}: {ratios(g)}{stolen}")
     RESULTS.mkdir(exist_ok=True)
     machine = f"{cpu_model()}, {os.cpu_count()} cores"
     out = args.out or RESULTS / f"load-{dt.date.today().isoformat()}.json"
