@@ -1015,17 +1015,26 @@ static inline __attribute__((always_inline)) void bf_softmax_rows(BfRows *st, in
     const __mmask16 live = (__mmask16)((1u << rows) - 1);
     const __m512i valid_n = _mm512_sub_epi32(
         _mm512_maskz_loadu_epi32(live, &st->ctx[lo16]), _mm512_set1_epi32(r0));
+    /* a round every row sees whole (a prompt's rounds but its last) takes no masks: the rows'
+     * lanes get the same values, and lanes past `rows` finite ones that are dropped */
+    const int whole = !_mm512_mask_cmplt_epi32_mask(live, valid_n, _mm512_set1_epi32(ROUND));
     __mmask16 ok[ROUND];
     __m512 mx = neg_inf;
     for (int j = 0; j < ROUND; j++) {
-        ok[j] = _mm512_cmpgt_epi32_mask(valid_n, _mm512_set1_epi32(j));
-        S[j] = _mm512_mask_mul_ps(neg_inf, ok[j], S[j], _mm512_set1_ps(scale));
+        if (whole) {
+            S[j] = _mm512_mul_ps(S[j], _mm512_set1_ps(scale));
+        } else {
+            ok[j] = _mm512_cmpgt_epi32_mask(valid_n, _mm512_set1_epi32(j));
+            S[j] = _mm512_mask_mul_ps(neg_inf, ok[j], S[j], _mm512_set1_ps(scale));
+        }
         mx = _mm512_max_ps(mx, S[j]);
     }
     const __m512 m = _mm512_mask_loadu_ps(neg_inf, live, &st->m[lo16]);
     const __m512 mn = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m, mx, _CMP_GT_OQ), mx, m);
-    for (int j = 0; j < ROUND; j++)
-        S[j] = _mm512_maskz_mov_ps(ok[j], bf_exp(_mm512_sub_ps(S[j], mn)));
+    for (int j = 0; j < ROUND; j++) {
+        const __m512 e = bf_exp(_mm512_sub_ps(S[j], mn));
+        S[j] = whole ? e : _mm512_maskz_mov_ps(ok[j], e);
+    }
     __m512 col[16];
     for (int j = 0; j < 16; j++)
         col[j] = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(S[j], S[16 + j]), S[32 + j]),
@@ -1431,18 +1440,23 @@ static inline __attribute__((always_inline)) void bf_unit(
     else
         BF_WALK(0);
 #undef BF_WALK
-    /* output vector 2c + h, lane 4L + e holds dim 32c + 8L + 4h + e (the V interleave) */
+    /* output vector 2c + h, lane 4L + e holds dim 32c + 8L + 4h + e (the V interleave): both
+     * vectors of a chunk rounded to bf16 together (nearest even; vcvtne2ps2bf16 flushes a
+     * denormal to zero, as vdpbf16ps does every product's) and put in dim order by one
+     * permute */
+    static const uint16_t dim_order[32] = {0,  1,  2,  3,  16, 17, 18, 19, 4,  5,  6,
+                                           7,  20, 21, 22, 23, 8,  9,  10, 11, 24, 25,
+                                           26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+    const __m512i order = _mm512_loadu_si512(dim_order);
     for (int r = 0; r < rows; r++) {
         const int i = r / group, g = r % group;
         uint16_t *o = out + out_rows[i] + (int64_t)(kv_head * group + g) * DIM;
-        const float inv = 1.0f / st.l[r];
-        for (int v = 0; v < NV; v++) {
-            uint32_t res[16];
-            _mm512_storeu_ps(res, _mm512_mul_ps(st.acc[r][v], _mm512_set1_ps(inv)));
-            const int c = v / 2, h = v % 2;
-            for (int ln = 0; ln < 16; ln++) /* to bf16, rounding to nearest even */
-                o[32 * c + 8 * (ln / 4) + 4 * h + ln % 4] =
-                    (uint16_t)((res[ln] + 0x7fffu + ((res[ln] >> 16) & 1u)) >> 16);
+        const __m512 inv = _mm512_set1_ps(1.0f / st.l[r]);
+        for (int c = 0; c < NV / 2; c++) {
+            const __m512 lo = _mm512_mul_ps(st.acc[r][2 * c], inv);
+            const __m512 hi = _mm512_mul_ps(st.acc[r][2 * c + 1], inv);
+            const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+            _mm512_storeu_si512(o + 32 * c, _mm512_permutexvar_epi16(order, w));
         }
     }
 }
