@@ -1244,7 +1244,9 @@ static inline __attribute__((always_inline)) void bf_run_keys(
     const int wide = !AMX && hi - lo >= BF_WIDE_ROWS;
     uint32_t pwt[ROUND / 2][16] __attribute__((aligned(64)));
     (void)qtt, (void)NP;
-    if (AMX) { /* tiles read whole blocks of 16 rows from lo: the rows past hi weigh zero */
+    if (AMX) { /* tiles read whole blocks of 16 rows from lo: the rows past hi weigh zero (or,
+                * after a round taken whole in lanes, that round's finite weights), and their
+                * results are dropped */
         const int end = lo + (hi - lo + 15) / 16 * 16;
         memset(pw[hi], 0, sizeof(pw[0]) * (end - hi));
     }
