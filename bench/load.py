@@ -275,7 +275,7 @@ def run_level(url, headers, tok, args, concurrency: int, rng: random.Random, ram
     wall = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
     ticks1 = cpu_ticks()
-    steal = (
+    steal_ticks = (
         None
         if ticks0 is None or ticks1 is None
         else [b - a for a, b in zip(ticks0, ticks1, strict=True)]
@@ -286,7 +286,7 @@ def run_level(url, headers, tok, args, concurrency: int, rng: random.Random, ram
             after = engine_counters(c)
         if after is not None:
             engine = {k: after[k] - before[k] for k in after if k in before}
-    return summarize(concurrency, ramp_s, results, wall, cpu, engine, steal)
+    return summarize(concurrency, ramp_s, results, wall, cpu, engine, steal_ticks)
 
 
 def summarize(

@@ -1032,8 +1032,8 @@ static inline __attribute__((always_inline)) void bf_softmax_rows(BfRows *st, in
     const __m512 m = _mm512_mask_loadu_ps(neg_inf, live, &st->m[lo16]);
     const __m512 mn = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m, mx, _CMP_GT_OQ), mx, m);
     for (int j = 0; j < ROUND; j++) {
-        const __m512 e = bf_exp(_mm512_sub_ps(S[j], mn));
-        S[j] = whole ? e : _mm512_maskz_mov_ps(ok[j], e);
+        S[j] = bf_exp(_mm512_sub_ps(S[j], mn));
+        if (!whole) S[j] = _mm512_maskz_mov_ps(ok[j], S[j]); /* ok is set only then */
     }
     __m512 col[16];
     for (int j = 0; j < 16; j++)
