@@ -2,8 +2,10 @@
 what that leaves of the serving goals.
 
     .venv/bin/python bench/floor.py FILE [--model DIR] [--dtype auto|float32|bfloat16]
+        [--rate GFLOPS]
 
-FILE is a bench/load.py result taken on this machine (the server's machine). Each level's
+FILE is a bench/load.py result taken on this machine (the server's machine), or, with
+``--rate``, on a machine whose product rate is known (GFLOP/s). Each level's
 average step, as the server's own counters give it (decode tokens and prompt tokens per step),
 is counted in the model's arithmetic, from its config.json: a token through the linear layers
 costs 2 FLOPs per weight; the LM head's 2 x hidden x vocabulary FLOPs come once per decode
@@ -171,7 +173,14 @@ def main() -> None:
     ap.add_argument("result", type=Path, help="a bench/load.py result (JSON) taken on this machine")
     ap.add_argument("--model", help="model directory (default: the default model)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument(
+        "--rate",
+        type=float,
+        help="GFLOP/s of the machine FILE was taken on, in place of measuring this one's",
+    )
     args = ap.parse_args()
+    if args.rate is not None and args.rate <= 0:
+        ap.error(f"--rate must be a positive GFLOP/s figure, not {args.rate}")
     result = json.loads(args.result.read_text())
     from inference.engine import cpu_bf16_matmul_is_faster
     from inference.llm import resolve_model
@@ -181,11 +190,12 @@ def main() -> None:
         dtype = torch.bfloat16 if cpu_bf16_matmul_is_faster() else torch.float32
     else:
         dtype = parse_dtype(args.dtype)
-    rate = product_rate(dtype)
+    rate = args.rate * 1e9 if args.rate is not None else product_rate(dtype)
     f = TokenFlops.of(cfg)
     rows = floors(result, f, rate)
+    where = "given" if args.rate is not None else f"{torch.get_num_threads()} threads, {dtype}"
     print(
-        f"{torch.get_num_threads()} threads, {dtype}: matrix products at {rate / 1e9:.0f} GFLOP/s; "
+        f"{where}: matrix products at {rate / 1e9:.0f} GFLOP/s; "
         f"a token costs {f.linear / 1e6:.1f} MFLOP in the linear layers, {f.head / 1e6:.1f} in the "
         f"LM head and {f.attention_per_key / 1e3:.1f} kFLOP per key of its context in attention"
     )

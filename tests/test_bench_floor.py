@@ -113,3 +113,20 @@ def test_cli_on_a_load_result(tmp_path, default_model_dir):
     rows = [line for line in out.splitlines() if line.startswith("| 16 |")]
     assert len(rows) == 1 and "| 12.7 | 15.0 |" in rows[0]
     assert "at 16 clients, steps at the floor" in out and "measured 5.24x" in out
+
+
+def test_cli_with_a_given_rate(tmp_path, default_model_dir):
+    result = {"levels": [_level(1, 1, 1.2, 11.0, 10.5, 12.0), _level(16, 12.7, 15.0, 36, 40, 55)]}
+    path = tmp_path / "load.json"
+    path.write_text(json.dumps(result))
+    cmd = [sys.executable, str(ROOT / "bench" / "floor.py"), str(path)]
+    out = subprocess.run(
+        [*cmd, "--rate", "500"], capture_output=True, text=True, check=True, timeout=300
+    ).stdout
+    assert out.startswith("given: matrix products at 500 GFLOP/s")
+    cfg = ModelConfig.from_file(default_model_dir / "config.json")
+    rows = floor.floors(result, floor.TokenFlops.of(cfg), rate=500e9)
+    line = next(x for x in out.splitlines() if x.startswith("| 16 |"))
+    assert f"| {rows[1]['floor_ms']:.1f} | 36.0 |" in line
+    bad = subprocess.run([*cmd, "--rate", "0"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--rate must be a positive GFLOP/s figure" in bad.stderr
