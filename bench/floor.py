@@ -170,7 +170,11 @@ def tpot_goal_at_floor(rows: list[dict]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("result", type=Path, help="a bench/load.py result (JSON) taken on this machine")
+    ap.add_argument(
+        "result",
+        type=Path,
+        help="a bench/load.py result (JSON), taken on this machine unless --rate",
+    )
     ap.add_argument("--model", help="model directory (default: the default model)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument(
@@ -181,19 +185,29 @@ def main() -> None:
     args = ap.parse_args()
     if args.rate is not None and args.rate <= 0:
         ap.error(f"--rate must be a positive GFLOP/s figure, not {args.rate}")
-    result = json.loads(args.result.read_text())
+    try:
+        result = json.loads(args.result.read_text())
+        levels = result["levels"]
+        if not levels:
+            raise ValueError("no levels")
+        if not all(lv["per_request"] for lv in levels):
+            raise ValueError("a level without answers")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        ap.error(f"{args.result} is not a bench/load.py result: {e!r}")
     from inference.engine import cpu_bf16_matmul_is_faster
     from inference.llm import resolve_model
 
     cfg = ModelConfig.from_file(resolve_model(args.model) / "config.json")
-    if args.dtype == "auto":
-        dtype = torch.bfloat16 if cpu_bf16_matmul_is_faster() else torch.float32
+    if args.rate is not None:
+        rate, where = args.rate * 1e9, "given"
     else:
-        dtype = parse_dtype(args.dtype)
-    rate = args.rate * 1e9 if args.rate is not None else product_rate(dtype)
+        if args.dtype == "auto":
+            dtype = torch.bfloat16 if cpu_bf16_matmul_is_faster() else torch.float32
+        else:
+            dtype = parse_dtype(args.dtype)
+        rate, where = product_rate(dtype), f"{torch.get_num_threads()} threads, {dtype}"
     f = TokenFlops.of(cfg)
     rows = floors(result, f, rate)
-    where = "given" if args.rate is not None else f"{torch.get_num_threads()} threads, {dtype}"
     print(
         f"{where}: matrix products at {rate / 1e9:.0f} GFLOP/s; "
         f"a token costs {f.linear / 1e6:.1f} MFLOP in the linear layers, {f.head / 1e6:.1f} in the "

@@ -130,3 +130,23 @@ def test_cli_with_a_given_rate(tmp_path, default_model_dir):
     assert f"| {rows[1]['floor_ms']:.1f} | 36.0 |" in line
     bad = subprocess.run([*cmd, "--rate", "0"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--rate must be a positive GFLOP/s figure" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        (None, "FileNotFoundError"),
+        ("not json", "JSONDecodeError"),
+        ('{"levels": []}', "no levels"),
+        ('{"rounds": 2}', "KeyError('levels')"),
+        ('{"levels": [{"concurrency": 1, "per_request": []}]}', "a level without answers"),
+    ],
+)
+def test_cli_refuses_what_is_not_a_load_result(tmp_path, text, why):
+    path = tmp_path / "load.json"
+    if text is not None:
+        path.write_text(text)
+    cmd = [sys.executable, str(ROOT / "bench" / "floor.py"), str(path), "--rate", "100"]
+    bad = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2
+    assert f"{path} is not a bench/load.py result" in bad.stderr and why in bad.stderr
