@@ -41,7 +41,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from inference.config import ModelConfig, parse_dtype  # noqa: E402
+from inference.config import ModelConfig  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -154,13 +154,14 @@ def floors(result: dict, f: TokenFlops, rate: float) -> list[dict]:
 
 def tpot_goal_at_floor(rows: list[dict]) -> dict:
     """The highest level's step floor over the 1-client TPOT p50 (measured), alone and times
-    the highest level's measured TPOT p99 / p50."""
+    the highest level's measured TPOT p99 / p50, with that level's FLOPs by part."""
     one = min(rows, key=lambda r: r["concurrency"])
     top = max(rows, key=lambda r: r["concurrency"])
     at_floor = top["floor_ms"] / one["tpot_p50_ms"]
     spread = top["tpot_p99_ms"] / top["tpot_p50_ms"]
     return {
         "concurrency": top["concurrency"],
+        "gflop_by_part": top["gflop_by_part"],
         "p50_over_1client_p50": at_floor,
         "spread_p99_over_p50": spread,
         "p99_over_1client_p50": at_floor * spread,
@@ -194,17 +195,14 @@ def main() -> None:
             raise ValueError("a level without answers")
     except (OSError, ValueError, KeyError, TypeError) as e:
         ap.error(f"{args.result} is not a bench/load.py result: {e!r}")
-    from inference.engine import cpu_bf16_matmul_is_faster
+    from inference.engine import resolve_dtype
     from inference.llm import resolve_model
 
     cfg = ModelConfig.from_file(resolve_model(args.model) / "config.json")
     if args.rate is not None:
         rate, where = args.rate * 1e9, "given"
     else:
-        if args.dtype == "auto":
-            dtype = torch.bfloat16 if cpu_bf16_matmul_is_faster() else torch.float32
-        else:
-            dtype = parse_dtype(args.dtype)
+        dtype = resolve_dtype(args.dtype, torch.device("cpu"))
         rate, where = product_rate(dtype), f"{torch.get_num_threads()} threads, {dtype}"
     f = TokenFlops.of(cfg)
     rows = floors(result, f, rate)
@@ -227,11 +225,10 @@ def main() -> None:
             f"| {r['tpot_p50_ms']:.1f} | {r['tpot_p99_ms']:.1f} |"
         )
     g = tpot_goal_at_floor(rows)
-    top = max(rows, key=lambda r: r["concurrency"])
-    by = top["gflop_by_part"]
+    by = g["gflop_by_part"]
     print()
     print(
-        f"a step at {top['concurrency']} clients: {by['linear']:.2f} GFLOP in the linear layers, "
+        f"a step at {g['concurrency']} clients: {by['linear']:.2f} GFLOP in the linear layers, "
         f"{by['head']:.2f} in the LM head, {by['attention']:.2f} in attention"
     )
     print(
