@@ -9,12 +9,16 @@ it from one thread.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import functools
 import json
 import logging
+import math
+import mmap
 import os
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -204,6 +208,51 @@ def default_cpu_kv_gib() -> float:
     return min(4.0, _available_memory_bytes() / 4 / 2**30)
 
 
+def zeroed_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+    """A KV cache tensor of zeros. On the CPU its memory is anonymous pages, zero by definition
+    and mapped by the OS at their first write, so the pool costs no time at start: writing a
+    4 GiB pool's zeros took 5.3 s of an 8 s start on a 2-core Zen 4. ``prefault_pool`` then
+    maps them in the background."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    size = count * torch.empty((), dtype=dtype).element_size()
+    pages = mmap.mmap(-1, max(size, 1))  # the tensor keeps the mapping alive
+    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14 and later
+_PREFAULT_CHUNK = 32 << 20
+
+
+def prefault_pool(tensors: list[torch.Tensor]) -> threading.Thread | None:
+    """Map every page of a CPU pool on a thread of the lowest priority, a chunk at a time: a
+    block first written during a step would otherwise take its page faults inside the step (a
+    cold 580-token prefill's median 3-4% slower, its 90th percentile 13-23%, until the pool
+    has been written once). ``MADV_POPULATE_WRITE`` maps a page as a write would and leaves
+    its contents alone, so the engine may write blocks meanwhile; where the kernel lacks it
+    (before Linux 5.14) pages are mapped at their first write. Returns the thread (it holds
+    the tensors until it is done), or None off Linux."""
+    if not tensors or not os.path.exists("/proc/self/statm"):
+        return None
+
+    def run() -> None:
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        libc = ctypes.CDLL(None, use_errno=True)  # a foreign call: the GIL is released
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        for t in tensors:
+            addr, size = t.data_ptr(), t.nbytes
+            for off in range(0, size, _PREFAULT_CHUNK):
+                n = min(_PREFAULT_CHUNK, size - off)
+                if libc.madvise(addr + off, n, _MADV_POPULATE_WRITE) != 0:
+                    return
+
+    thread = threading.Thread(target=run, name="docqa-kv-prefault", daemon=True)
+    thread.start()
+    return thread
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_dir: Path
@@ -285,14 +334,19 @@ class LLMEngine:
         shape = (self.kv_spec.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                zeroed_kv_tensor(shape, self.kv_dtype, self.device),
+                zeroed_kv_tensor(shape, self.kv_dtype, self.device),
             )
             for _ in range(cfg.num_layers)
         ]
         # a CPU pool's caches by address, for _copy_slots
         self._cache_ptrs = (
             [t.data_ptr() for pair in self.kv_caches for t in pair]
+            if self.device.type == "cpu"
+            else None
+        )
+        self._prefault = (
+            prefault_pool([t for pair in self.kv_caches for t in pair])
             if self.device.type == "cpu"
             else None
         )

@@ -1,11 +1,13 @@
 """Engine behaviour on a tiny random model: prefix reuse, numerics, counters, sizing, errors."""
 
 import json
+import os
 
 import pytest
 import torch
 
 from inference import LLM, PromptTooLongError, SamplingParams
+from inference.engine import zeroed_kv_tensor
 from inference.kv_sizing import kv_bytes_per_token
 from inference.scheduler import RequestTooLargeError
 
@@ -333,3 +335,49 @@ def test_copying_a_blocks_first_slots_touches_nothing_else(tiny_model_dir, dtype
             assert torch.equal(kc, wk) and torch.equal(vc, wv), (src, dst, n)
     with pytest.raises(IndexError):
         eng._copy_slots(0, blocks, 1)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+linux_only = pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="Linux /proc")
+
+
+@linux_only
+def test_a_cpu_kv_tensor_is_zero_and_takes_memory_only_where_written():
+    before = _resident_bytes()
+    t = zeroed_kv_tensor(
+        (2**30 // (16 * 3 * 64 * 2), 16, 3, 64), torch.bfloat16, torch.device("cpu")
+    )
+    assert t.nbytes > 2**30 - 2**14 and t.is_contiguous()
+    assert _resident_bytes() - before < 2**26  # not the gibibyte
+    assert not t[::97].any()
+    t[5] = 1.0
+    assert _resident_bytes() - before < 2**26
+    assert t[5].all() and not t[4].any() and not t[6].any()
+
+
+@linux_only
+def test_the_cpu_pool_is_mapped_in_the_background_and_keeps_what_the_engine_wrote(
+    tiny_model_dir,
+):
+    """The engine starts before its pool is mapped; a request runs while the pages are mapped,
+    and afterwards the pool is resident, the request's blocks hold its K/V and no other block
+    was written."""
+    before = _resident_bytes()
+    eng = LLM(tiny_model_dir, dtype="bfloat16", kv_cache_gib=0.5).engine
+    pool = sum(k.nbytes + v.nbytes for k, v in eng.kv_caches)
+    req = eng.add_request(list(range(50, 90)), SamplingParams(max_tokens=2, ignore_eos=True))
+    eng.step()  # the prompt
+    blocks = eng.kv_manager.block_ids(req.request_id)
+    while not req.finished:
+        eng.step()
+    assert len(req.output_token_ids) == 2
+    eng._prefault.join(timeout=120)
+    assert not eng._prefault.is_alive()
+    assert _resident_bytes() - before > 0.9 * pool
+    for k, v in eng.kv_caches:
+        assert k.view(k.shape[0], -1).any(dim=1).nonzero().flatten().tolist() == sorted(blocks)
+        assert all(v[b].any() for b in blocks)
