@@ -17,6 +17,7 @@ import logging
 import math
 import mmap
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -233,7 +234,7 @@ def prefault_pool(tensors: list[torch.Tensor]) -> threading.Thread | None:
     its contents alone, so the engine may write blocks meanwhile; where the kernel lacks it
     (before Linux 5.14) pages are mapped at their first write. Returns the thread (it holds
     the tensors until it is done), or None off Linux."""
-    if not tensors or not os.path.exists("/proc/self/statm"):
+    if not tensors or not sys.platform.startswith("linux"):
         return None
 
     def run() -> None:
