@@ -217,7 +217,7 @@ def zeroed_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)
-    size = count * torch.empty((), dtype=dtype).element_size()
+    size = count * dtype.itemsize
     pages = mmap.mmap(-1, max(size, 1))  # the tensor keeps the mapping alive
     return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
 
