@@ -340,17 +340,11 @@ class LLMEngine:
             )
             for _ in range(cfg.num_layers)
         ]
-        # a CPU pool's caches by address, for _copy_slots
-        self._cache_ptrs = (
-            [t.data_ptr() for pair in self.kv_caches for t in pair]
-            if self.device.type == "cpu"
-            else None
-        )
-        self._prefault = (
-            prefault_pool([t for pair in self.kv_caches for t in pair])
-            if self.device.type == "cpu"
-            else None
-        )
+        caches = [t for pair in self.kv_caches for t in pair]
+        on_cpu = self.device.type == "cpu"
+        # a CPU pool's caches by address, for _copy_slots; their pages mapped in the background
+        self._cache_ptrs = [t.data_ptr() for t in caches] if on_cpu else None
+        self._prefault = prefault_pool(caches) if on_cpu else None
         for line in self.kv_spec.log_lines():
             log.info(line)
         if self.device.type == "cpu":  # built now, not in the first request's prefill
