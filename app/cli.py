@@ -24,7 +24,7 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def cmd_model_import(args) -> int:
-    from inference.model_import import default_model_dir, import_default_model, import_gguf
+    from inference.model.model_import import default_model_dir, import_default_model, import_gguf
 
     if args.gguf:
         src = Path(args.gguf)
@@ -39,8 +39,8 @@ def cmd_model_import(args) -> int:
 def cmd_kv_budget(args) -> int:
     import torch
 
-    from inference.config import dtype_name, parse_dtype
     from inference.kv_sizing import KNOWN_CONFIGS, format_bytes, kv_bytes_per_token
+    from inference.model.config import dtype_name, parse_dtype
 
     if args.config:
         p = Path(args.config)
@@ -123,7 +123,7 @@ def cmd_ask(args) -> int:
     llm = LLM(args.model, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib)
     engine = llm.engine
     builder = PromptBuilder(llm.tokenizer)
-    from inference.sampling import SamplingParams
+    from inference.engine.sampler import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     prefix = builder.prefix_ids(text)

@@ -26,13 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from inference import cpu_kernels
-from inference.engine import EngineConfig, LLMEngine, default_device
+from inference import EngineConfig, LLMEngine, SamplingParams
+from inference.engine.sequence import Request
 from inference.errors import DocqaError
 from inference.llm import resolve_model
 from inference.metrics import RequestMetrics
-from inference.sampling import SamplingParams
-from inference.sequence import Request
+from inference.runner import prebuild_kernels
 from prefix_store import TierConfig
 from prompts import PromptBuilder
 
@@ -168,8 +167,7 @@ class EngineRunner:
     def _main(self) -> None:
         try:
             t0 = time.perf_counter()
-            if default_device().type == "cpu":
-                cpu_kernels.prebuild()  # a first start compiles beside the model's import
+            prebuild_kernels()  # a first start compiles beside the model's import
             model_dir = resolve_model(self._model)
             engine = LLMEngine(EngineConfig(model_dir=model_dir, **self._engine_kwargs))
             self.builder = PromptBuilder(engine.tokenizer)
@@ -384,6 +382,6 @@ class EngineRunner:
             "num_steps": e.num_steps,
             "num_cancelled": e.num_cancelled,
             "num_deferred_admissions": s.num_deferred_admissions,
-            "pinned_blocks": e.num_pinned_blocks,
-            "pin_budget_blocks": e.pin_budget_blocks,
+            "pinned_blocks": e.pins.num_pinned_blocks,
+            "pin_budget_blocks": e.pins.budget_blocks,
         }

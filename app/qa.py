@@ -24,7 +24,7 @@ from app.db import Conversation, Database, Manual, Message
 from app.db.models import new_id
 from app.engine_runner import Completion, EngineRunner, RequestHandle
 from app.settings import MIN_QUESTION_ROOM, Settings
-from inference.sampling import SamplingParams
+from inference.engine.sampler import SamplingParams
 from prompts import BuiltPrompt, PromptLayoutTooLong, Turn
 
 log = logging.getLogger("docqa.qa")

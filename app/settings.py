@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from inference.errors import DocqaError
-from inference.model_import import docqa_home
+from inference.model.model_import import docqa_home
 
 MAX_TOKENS_CAP = 1024  # default upper bound of a request's max_tokens
 DEFAULT_MAX_TOKENS = 256

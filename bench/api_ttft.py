@@ -75,7 +75,7 @@ def main() -> int:
         url = srv.url
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     from inference.llm import resolve_model
-    from inference.tokenizer import TextTokenizer
+    from inference.model.tokenizer import TextTokenizer
 
     tok = TextTokenizer(resolve_model(None))
     rows = []

@@ -2,20 +2,19 @@
 
     .venv/bin/python bench/attention.py [--against REV] [--repeats 8] [--dtype float32|bfloat16]
 
-Times ``docqa_decode_attention`` (inference/csrc/decode_attention.c) with float32 queries and
-K/V, or with ``--dtype bfloat16`` ``docqa_attention_bf16`` (on the tile unit where the CPU has
-AMX, as the engine runs it), on five shapes: one decode token after a 1,080-token context; 16
-decode tokens about 4 manuals of 1,056 tokens; a 45-token question after a cached 1,000-token
-manual; the second 512-token chunk of a manual's prompt; the 16 decodes and the question in
-one step (a step under load). Each is cut into units by the
-engine's own step plan (``CPUBackend.plan``). Each shape runs over 30 layers twice: with one
-pool that stays in the caches (20 MB), and cold, the layers taking turns over four 50 MB pools.
-With ``--against REV`` the kernel source at git revision REV is built beside the working tree's,
-and the two are called in turn, repeat by repeat, on the same data (each with the groups it
-takes: units of up to 48 query rows on the float32 register-tiled path, 16 elsewhere in
-float32); the table gives both, their ratio and the largest difference between their outputs.
-Prints a markdown table; nothing is written.
-"""
+Times ``docqa_decode_attention`` (inference/kernels/cpu/csrc/decode_attention.c) with float32
+queries and K/V, or with ``--dtype bfloat16`` ``docqa_attention_bf16`` (on the tile unit where
+the CPU has AMX, as the engine runs it), on five shapes: one decode token after a 1,080-token
+context; 16 decode tokens about 4 manuals of 1,056 tokens; a 45-token question after a cached
+1,000-token manual; the second 512-token chunk of a manual's prompt; the 16 decodes and the
+question in one step (a step under load). Each is cut into units by the engine's own step plan
+(``CPUBackend.plan``). Each shape runs over 30 layers twice: with one pool that stays in the
+caches (20 MB), and cold, the layers taking turns over four 50 MB pools. With ``--against REV``
+the kernel source at git revision REV is built beside the working tree's, and the two are
+called in turn, repeat by repeat, on the same data (each with the groups it takes: units of up
+to 48 query rows on the float32 register-tiled path, 16 elsewhere in float32); the table gives
+both, their ratio and the largest difference between their outputs. Prints a markdown table;
+nothing is written. """
 
 from __future__ import annotations
 
@@ -33,15 +32,17 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from inference import cpu_kernels  # noqa: E402
-from inference.attention import AttentionMetadata, CPUBackend  # noqa: E402
+from inference.attention.backends import CPUBackend  # noqa: E402
+from inference.attention.metadata import AttentionMetadata  # noqa: E402
+from inference.kernels.cpu import attention as cpu_attention  # noqa: E402
+from inference.kernels.cpu import build as cpu_build  # noqa: E402
 
 BS, KVH, HEADS, DIM, LAYERS = 16, 3, 9, 64, 30
 GROUP = HEADS // KVH
 
 
 def load(src: Path) -> ctypes.CDLL:
-    lib = cpu_kernels.attention_library_at(cpu_kernels.build(src))
+    lib = cpu_attention.attention_library_at(cpu_build.build(src))
     # a revision before the register-tiled path has no such entry
     tiled = getattr(lib, "docqa_decode_attention_tiled", None)
     lib.tiled = bool(tiled and tiled(0, 0, DIM))
@@ -49,9 +50,10 @@ def load(src: Path) -> ctypes.CDLL:
 
 
 def source_at(rev: str, into: Path) -> Path:
-    """decode_attention.c and the headers it includes, as of git revision ``rev``."""
+    """decode_attention.c and the headers it includes, as of git revision ``rev`` (the
+    sources lie in inference/kernels/cpu/csrc/, before that in inference/csrc/)."""
     listing = subprocess.run(
-        ["git", "ls-tree", "--name-only", rev, "inference/csrc/"],
+        ["git", "ls-tree", "--name-only", rev, "inference/kernels/cpu/csrc/", "inference/csrc/"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -156,7 +158,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
-    libs = {"this tree": load(cpu_kernels.SOURCE)}
+    libs = {"this tree": load(cpu_attention.SOURCE)}
     if args.against:
         tmp = Path(tempfile.mkdtemp(prefix="docqa-attention-"))
         libs = {args.against: load(source_at(args.against, tmp)), **libs}

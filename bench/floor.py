@@ -41,7 +41,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from inference.config import ModelConfig  # noqa: E402
+from inference.model.config import ModelConfig  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -195,7 +195,7 @@ def main() -> None:
             raise ValueError("a level without answers")
     except (OSError, ValueError, KeyError, TypeError) as e:
         ap.error(f"{args.result} is not a bench/load.py result: {e!r}")
-    from inference.engine import resolve_dtype
+    from inference.device import resolve_dtype
     from inference.llm import resolve_model
 
     cfg = ModelConfig.from_file(resolve_model(args.model) / "config.json")

@@ -232,7 +232,7 @@ def sync() -> None:
 
 def engine_bench(quick: bool, dry: bool) -> dict:
     from inference import LLM, SamplingParams
-    from inference.model_import import import_default_model
+    from inference.model.model_import import import_default_model
 
     tmp = Path(tempfile.mkdtemp(prefix="docqa-gpu-"))
     (tmp / "config.json").write_text(json.dumps(TINY if dry else LLAMA3_8B))
@@ -309,7 +309,7 @@ def main() -> int:
     elif not torch.cuda.is_available():
         print("bench/gpu.py needs a CUDA device (or --dry-run)", file=sys.stderr)
         return 2
-    from inference import triton_attention as ta
+    from inference.kernels.triton import paged_attention as ta
 
     dev = torch.device("cpu" if args.dry_run else "cuda")
     t_all = time.perf_counter()

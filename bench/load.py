@@ -60,7 +60,7 @@ from svc_helpers import metrics  # noqa: E402
 
 from bench.sse_clients import run_clients  # noqa: E402
 from bench.ttft import manual_text  # noqa: E402
-from inference import cpu_kernels  # noqa: E402
+from inference.kernels.cpu import build as cpu_build  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 WORDS = [
@@ -111,7 +111,7 @@ def cpu_model() -> str:
         return platform.processor() or platform.machine()
     name = fields["model name"]
     if "cpu family" in fields and "model" in fields:
-        flags = cpu_kernels.cpu_flags()
+        flags = cpu_build.cpu_flags()
         vec = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
         if "amx_bf16" in flags:
             vec += ", AMX"
@@ -437,7 +437,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from inference.llm import resolve_model
-    from inference.tokenizer import TextTokenizer
+    from inference.model.tokenizer import TextTokenizer
 
     tok = TextTokenizer(resolve_model(None))
     srv = None

@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from svc_helpers import stop_process  # noqa: E402
 
 from bench.load import cpu_model, pct  # noqa: E402
-from inference import cpu_kernels  # noqa: E402
+from inference.kernels.cpu import build as cpu_build  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 PEERS_VENV = ROOT / "bench" / ".venv-peers"
@@ -97,7 +97,7 @@ class Manuals:
 
     def __init__(self):
         from inference.llm import resolve_model
-        from inference.tokenizer import TextTokenizer
+        from inference.model.tokenizer import TextTokenizer
 
         self.tok = TextTokenizer(resolve_model(None))
         pages = [t for t in (man_text(p) for p in MAN_PAGES) if len(t) > 20_000]
@@ -218,7 +218,7 @@ class LlamaServer(System):
             subprocess.run([sys.executable, "-m", "venv", str(PEERS_VENV)], check=True)
             pip = PEERS_VENV / "bin" / "pip"
             env = dict(os.environ)
-            if "amx_tile" in cpu_kernels.cpu_flags():
+            if "amx_tile" in cpu_build.cpu_flags():
                 # its native build takes llama.cpp's AMX kernels, which use the tile unit on
                 # threads that have no tile state here (a 2-core Xeon: "invalid opcode" on
                 # tilezero at its first product): the same AVX-512 build without them
@@ -269,8 +269,8 @@ def best_cpu_dtype() -> str:
     """The dtype docqa's ``auto`` picks here, so that transformers runs in the same one."""
     import torch
 
-    from inference.config import dtype_name
-    from inference.engine import resolve_dtype
+    from inference.device import resolve_dtype
+    from inference.model.config import dtype_name
 
     return dtype_name(resolve_dtype("auto", torch.device("cpu")))
 
@@ -279,7 +279,7 @@ SYSTEMS = {s.name: s for s in (Docqa, DocqaNoCache, LlamaServer, Transformers)}
 
 
 def gguf_path() -> Path:
-    from inference.model_import import DEFAULT_GGUF_MEMBER, import_default_model, models_dir
+    from inference.model.model_import import DEFAULT_GGUF_MEMBER, import_default_model, models_dir
 
     import_default_model()
     return models_dir() / "gguf" / DEFAULT_GGUF_MEMBER.split("/")[-1]
@@ -409,16 +409,15 @@ def kv_sizing_check(quick: bool) -> list[dict]:
     each prefill) for several context lengths and batch sizes."""
     import torch
 
-    from inference import SamplingParams
-    from inference.engine import EngineConfig, LLMEngine
+    from inference import EngineConfig, LLMEngine, SamplingParams
     from inference.kv_sizing import kv_bytes_per_token
     from inference.llm import resolve_model
 
     eng = LLMEngine(EngineConfig(model_dir=resolve_model(None), kv_cache_gib=1.0))
     cfg = eng.model_config
-    bpt = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, eng.kv_dtype)
+    bpt = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, eng.runner.kv_dtype)
     storage = sum(
-        k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in eng.kv_caches
+        k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in eng.runner.kv_caches
     )
     bs = eng.kv_spec.block_size
     rows = []

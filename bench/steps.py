@@ -13,7 +13,7 @@ decoding one token after the manual and a question; ``question`` adds one questi
 times the linear layers, the attention and the fused element-wise steps one by one through the
 model's Python layer loop (each call timed alone: the sum runs over the total by the timer's
 cost and by the Python loop's own). ``--compare-layers`` times
-each shape with the model's compiled layer loop (inference/cpu_forward.py, the default) and
+each shape with the model's compiled layer loop (inference/kernels/cpu/forward.py, the default) and
 with its Python loop in turn, several times, and prints both medians and their ratio in place
 of the breakdown (the two give the same bits). Prints a table; nothing is written.
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import re
 import statistics
 import sys
@@ -37,10 +38,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from ttft import manual_text  # noqa: E402
 
-from inference import SamplingParams, cpu_kernels  # noqa: E402
-from inference.attention import AttentionMetadata  # noqa: E402
-from inference.engine import EngineConfig, LLMEngine  # noqa: E402
-from inference.layers import Linear  # noqa: E402
+from inference import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from inference.engine.scheduler import ScheduledChunk, SchedulerOutput  # noqa: E402
+from inference.kernels.cpu.linear_layer import CPULinear  # noqa: E402
 from inference.llm import resolve_model  # noqa: E402
 from prompts import PromptBuilder  # noqa: E402
 
@@ -59,22 +59,27 @@ def _prepare(engine, prompts: list[list[int]]):
 
 
 def _inputs(engine, chunks):
-    """Model inputs for ``chunks`` of (request, tokens, start) as engine.step builds them."""
-    ids, pos, tables, seq_lens, q_lens, rows, decodes = [], [], [], [], [], [], []
-    for req, n, ctx in chunks:
-        toks = req.all_token_ids
-        ids.extend(toks[ctx : ctx + n])
-        pos.extend(range(ctx, ctx + n))
-        tables.append(engine.kv_manager.block_ids(req.request_id))
-        seq_lens.append(ctx + n)
-        q_lens.append(n)
-        rows.append(len(ids) - 1)
-        decodes.append(n == 1)
-    meta = AttentionMetadata.build(
-        tables, seq_lens, q_lens, engine.kv_spec.block_size, engine.device, decodes
+    """Model inputs for ``chunks`` of (request, tokens, start), filled by the runner as a step
+    of the engine fills them (each chunk's last token sampled)."""
+    sched = SchedulerOutput(
+        [
+            ScheduledChunk(req, n, ctx, engine.kv_manager.block_ids(req.request_id), n == 1, True)
+            for req, n, ctx in chunks
+        ],
+        [],
     )
-    t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
-    return t(ids), t(pos), meta, engine.kv_caches, t(rows)
+    x = engine.runner.inputs.prepare(sched)
+    # copies: the runner's buffers are filled again for the next shape
+    meta = x.meta
+    meta.slot_mapping, meta.block_tables = meta.slot_mapping.clone(), meta.block_tables.clone()
+    meta.seq_lens, meta.cu_seqlens_q = meta.seq_lens.clone(), meta.cu_seqlens_q.clone()
+    return (
+        x.input_ids.clone(),
+        x.positions.clone(),
+        meta,
+        engine.runner.kv_caches,
+        x.logits_indices.clone(),
+    )
 
 
 class _Timer:
@@ -87,6 +92,10 @@ class _Timer:
 
     def _wrap(self, owner, attr, name):
         fn = getattr(owner, attr)
+        self._saved.append((owner, attr, fn))
+        setattr(owner, attr, self._timed(fn, name))
+
+    def _timed(self, fn, name):
         totals = self.totals
 
         def timed(*a, **k):
@@ -95,18 +104,25 @@ class _Timer:
             totals[name] += time.perf_counter() - t0
             return out
 
-        self._saved.append((owner, attr, fn))
-        setattr(owner, attr, timed)
+        return timed
 
     def __enter__(self):
-        model = self.engine.model
-        self._wrap(Linear, "__call__", "linears")
-        self._wrap(model.attn_backend, "attention", "attention")
-        for f in ("add_rms_norm", "silu_mul", "rotary_store"):
-            self._wrap(cpu_kernels, f, "element-wise")
+        model = self.engine.runner.model
+        self._wrap(CPULinear, "__call__", "linears")
+        self._wrap(model.ops.attention, "attention", "attention")
+        # the model reads its element-wise steps from its ops table: a timed copy for the block
+        self._ops = model.ops
+        model.ops = dataclasses.replace(
+            model.ops,
+            **{
+                f: self._timed(getattr(model.ops, f), "element-wise")
+                for f in ("add_rms_norm", "silu_mul", "rotary_store")
+            },
+        )
         return self
 
     def __exit__(self, *exc):
+        self.engine.runner.model.ops = self._ops
         for owner, attr, fn in reversed(self._saved):
             setattr(owner, attr, fn)
 
@@ -180,7 +196,7 @@ def main() -> None:
     q_start = hit.num_cached_tokens if hit else 0
     engine.kv_manager.allocate(asker.request_id, asker.num_tokens, hit)
     print(
-        f"{torch.get_num_threads()} threads, {engine.dtype}, {args.manuals} manuals, "
+        f"{torch.get_num_threads()} threads, {engine.runner.dtype}, {args.manuals} manuals, "
         f"prefix {len(prefixes[0][0])} tokens"
     )
     q_len = asker.num_tokens - q_start
@@ -194,7 +210,7 @@ def main() -> None:
     dec = [(r, 1, r.num_tokens - 1) for r in reqs[:n]]
     shapes.append((f"{n} decodes + question", [*dec, (asker, q_len, q_start)]))
 
-    forward = engine.model.forward
+    forward = engine.runner.model.forward
     if args.compare_layers:
         print("| step | compiled loop ms | Python loop ms | compiled / Python |")
         print("|---|---|---|---|")
@@ -206,7 +222,7 @@ def main() -> None:
             continue
         inputs = _inputs(engine, chunks)
         if args.compare_layers:
-            loops = _compare_layers(engine.model, inputs, args.repeats)
+            loops = _compare_layers(engine.runner.model, inputs, args.repeats)
             c, p = statistics.median(loops[True]), statistics.median(loops[False])
             print(f"| {name} | {c:.1f} | {p:.1f} | {c / p:.2f} |")
             continue
@@ -222,7 +238,7 @@ def main() -> None:
             parts = ""
             if not args.no_breakdown:
                 # the parts are timed through the Python loop, which calls them one by one
-                with _layer_loop(engine.model, False), _Timer(engine) as timer:
+                with _layer_loop(engine.runner.model, False), _Timer(engine) as timer:
                     for _ in range(args.repeats):
                         forward(*inputs)
                 p = {k: v * 1e3 / args.repeats for k, v in timer.totals.items()}

@@ -30,8 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ttft import manual_text  # noqa: E402
 
-from inference import SamplingParams  # noqa: E402
-from inference.engine import EngineConfig, LLMEngine  # noqa: E402
+from inference import (  # noqa: E402
+    EngineConfig,
+    LLMEngine,
+    SamplingParams,  # noqa: E402
+)
 from inference.llm import resolve_model  # noqa: E402
 from prefix_store import TierConfig  # noqa: E402
 from prompts import PromptBuilder  # noqa: E402

@@ -1,9 +1,10 @@
 """docqa's inference engine: a Llama-family model on a paged, prefix-cached KV pool."""
 
-from inference.engine import EngineConfig, LLMEngine
+from inference.config import EngineConfig
+from inference.engine.llm_engine import LLMEngine
+from inference.engine.sampler import SamplingParams
 from inference.errors import DocqaError, ModelError, PromptTooLongError
 from inference.llm import LLM, RequestOutput
-from inference.sampling import SamplingParams
 
 __all__ = [
     "LLM",

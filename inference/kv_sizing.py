@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inference.config import ModelConfig
+from inference.model.config import ModelConfig
 
 # Well-known configurations for ``docqa kv-budget NAME`` (architecture fields only).
 KNOWN_CONFIGS: dict[str, dict] = {

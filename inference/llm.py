@@ -5,15 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from inference.engine import EngineConfig, LLMEngine
+from inference.config import EngineConfig
+from inference.engine.llm_engine import LLMEngine
+from inference.engine.sampler import SamplingParams
 from inference.errors import ModelError
 from inference.metrics import RequestMetrics
-from inference.model_import import (
-    DEFAULT_MODEL_NAME,
-    import_default_model,
-    models_dir,
-)
-from inference.sampling import SamplingParams
+from inference.model.model_import import DEFAULT_MODEL_NAME, import_default_model, models_dir
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import numpy as np
 
 @dataclass(frozen=True)
 class RequestMetrics:
-    """Timings of CONTRACTS.md, all in milliseconds, measured by the engine."""
+    """The answer object's timings, all in milliseconds, measured by the engine."""
 
     queue_ms: float  # arrival -> first scheduled
     ttft_ms: float  # arrival -> first token sampled

@@ -5,7 +5,7 @@ Imports nothing else of docqa; the engine drives it.
 
 from prefix_store.block_pool import Block, BlockPool
 from prefix_store.hashing import HASH_VERSION, BlockHasher, hash_block, root_hash
-from prefix_store.kv_cache_manager import CachedPrefix, KVCacheManager, NoFreeBlocksError
+from prefix_store.kv_cache_manager import CachedPrefix, Hold, KVCacheManager, NoFreeBlocksError
 from prefix_store.redis_tier import RedisTier, TierBlock, TierConfig
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "BlockHasher",
     "BlockPool",
     "CachedPrefix",
+    "Hold",
     "KVCacheManager",
     "NoFreeBlocksError",
     "RedisTier",

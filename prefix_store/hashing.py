@@ -1,4 +1,4 @@
-"""Chained block hashes (CONTRACTS.md, "Prefix hashing").
+"""Chained block hashes: the bytes every replica and restart must agree on.
 
     h_{-1} = xxh3_128("docqa-kv-v1" || model fingerprint || namespace)
     h_i    = xxh3_128(h_{i-1} || little-endian int32 ids of block i || extra_i)

@@ -5,7 +5,7 @@ Token ranges of one request (block_size 4 shown):
     | cached (hit) | computed this request |  new this step  | (not yet) |
     0          num_cached            num_computed      num_computed + n
 
-Rules (CONTRACTS.md, "Prefix hashing"):
+Rules (the hashing bytes are in prefix_store/hashing.py):
 - a hit is accepted only if the stored block's token ids and parent hash equal ours, walking
   from the first block, so the whole prefix is verified;
 - a block is registered only after its KV has been written (``register_computed``);
@@ -20,6 +20,10 @@ Rules (CONTRACTS.md, "Prefix hashing"):
 
     | full blocks hit | copied | computed ... |
     0              k * bs   k * bs + m
+
+Holds: a reference on blocks that belongs to no request (a pinned prefix, the blocks a
+second-tier load fills) is a ``Hold``, kept in a table of its own: the pool counts it like a
+request's reference, and no request id can name one.
 """
 
 from __future__ import annotations
@@ -52,6 +56,14 @@ class CachedPrefix(NamedTuple):
         )
 
 
+@dataclass(slots=True, eq=False)
+class Hold:
+    """Counted references on blocks outside any request (SGLang's ``lock_ref``): while held,
+    the blocks stay out of the free queue, so nothing evicts or reuses them."""
+
+    blocks: list[Block] = field(default_factory=list)  # in chain order; released tail first
+
+
 @dataclass(slots=True)
 class _RequestBlocks:
     hasher: BlockHasher  # carries the namespace's root hash
@@ -63,7 +75,8 @@ class _RequestBlocks:
 class KVCacheManager:
     """Maps requests to KV blocks of one ``BlockPool``.
 
-    Mutates the pool only through ``allocate``, ``register_computed`` and ``free``; lookups
+    Mutates the pool only through ``allocate``, ``register_computed`` and ``free`` (requests)
+    and ``hold``, ``hold_new``, ``index_block`` and ``release`` (holds); lookups
     (``find_cached_prefix``) never change anything and are always safe to call.
     """
 
@@ -82,6 +95,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self._hashers: dict[bytes, BlockHasher] = {}
         self._requests: dict[str, _RequestBlocks] = {}
+        self._holds: set[Hold] = set()
 
     # -- lookups -------------------------------------------------------------------------
     def hasher(self, namespace: bytes = b"") -> BlockHasher:
@@ -259,6 +273,42 @@ class KVCacheManager:
             self.pool.set_partial_tail(state.blocks[i], parent, tail)
         self.pool.free(list(reversed(state.blocks)))
 
+    # -- holds ---------------------------------------------------------------------------------
+    def hold(self, blocks: Sequence[Block] = ()) -> Hold:
+        """A new hold referencing ``blocks`` (cached blocks leave the free queue until the hold
+        is released)."""
+        held = Hold(list(blocks))
+        self.pool.touch(held.blocks)
+        self._holds.add(held)
+        return held
+
+    def hold_new(self, held: Hold, num_blocks: int) -> list[Block]:
+        """``num_blocks`` fresh blocks (whatever they cached is evicted) added to ``held``;
+        raises NoFreeBlocksError, changing nothing, when fewer are free."""
+        try:
+            blocks = self.pool.allocate(num_blocks)
+        except IndexError as e:
+            raise NoFreeBlocksError(str(e)) from None
+        held.blocks.extend(blocks)
+        return blocks
+
+    def index_block(
+        self, block: Block, block_hash: bytes, parent_hash: bytes, token_ids: tuple[int, ...]
+    ) -> bool:
+        """Index a held block whose KV has been written from elsewhere (a second-tier load),
+        under a hash the caller verified; False when another block already holds that hash."""
+        return self.pool.register(block, block_hash, parent_hash, token_ids)
+
+    def release(self, held: Hold) -> None:
+        """Drop a hold's references, tail first (``free``'s order)."""
+        self._holds.remove(held)
+        self.pool.free(list(reversed(held.blocks)))
+
+    @property
+    def num_held_blocks(self) -> int:
+        return sum(len(h.blocks) for h in self._holds)
+
+    # -- reporting --------------------------------------------------------------------------
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._requests[request_id].blocks]
 
@@ -276,8 +326,9 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         counts: dict[int, int] = {}
-        for state in self._requests.values():
-            for b in state.blocks:
+        held = [h.blocks for h in self._holds]
+        for blocks in [s.blocks for s in self._requests.values()] + held:
+            for b in blocks:
                 counts[b.block_id] = counts.get(b.block_id, 0) + 1
         for b in self.pool.blocks:
             assert b.ref_cnt == counts.get(b.block_id, 0), (

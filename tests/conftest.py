@@ -13,14 +13,14 @@ import torch
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    from inference.model_import import import_default_model
+    from inference.model.model_import import import_default_model
 
     return import_default_model()
 
 
 @pytest.fixture(scope="session")
 def tokenizer(default_model_dir):
-    from inference.tokenizer import TextTokenizer
+    from inference.model.tokenizer import TextTokenizer
 
     return TextTokenizer(default_model_dir)
 

@@ -18,9 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import inference.attention as att
-from inference import cpu_kernels
-from inference.attention import AttentionMetadata, CPUBackend, paged_attention_reference
+import inference.attention.reference as att
+from inference.attention.backends import CPUBackend
+from inference.attention.metadata import AttentionMetadata
+from inference.attention.reference import paged_attention_reference
+from inference.kernels.cpu import attention as cpu_attention
+from inference.kernels.cpu import build as cpu_build
+from inference.kernels.cpu import linear as cpu_linear
 
 SEED = int(os.environ.get("DOCQA_TEST_SEED", random.randrange(2**31)))
 BACKENDS = ["torch", "cpu"]
@@ -29,7 +33,7 @@ BACKENDS = ["torch", "cpu"]
 def _attention(backend: str, q, k_cache, v_cache, meta, scale):
     if backend == "torch":
         return paged_attention_reference(q, k_cache, v_cache, meta, scale)
-    assert cpu_kernels.kernels_available(), "the CPU kernels did not build (is gcc installed?)"
+    assert cpu_attention.kernels_available(), "the CPU kernels did not build (is gcc installed?)"
     return CPUBackend().attention(q, k_cache, v_cache, meta, scale)
 
 
@@ -124,7 +128,7 @@ def test_matches_dense_float64(bs, heads, kvh, path, d, monkeypatch):
 
 
 def _bf16_kernel():
-    if not cpu_kernels.bf16_kernel_supports(torch.bfloat16, torch.bfloat16, 9, 3, 64):
+    if not cpu_attention.bf16_kernel_supports(torch.bfloat16, torch.bfloat16, 9, 3, 64):
         pytest.skip("this CPU has no AVX512-BF16 (the bf16 kernel is not built for it)")
 
 
@@ -135,21 +139,21 @@ def test_bf16_products_take_the_tile_unit_where_the_cpu_has_one():
     oneDNN's path."""
     if os.environ.get("DOCQA_CPU_KERNELS", "1") == "0":
         pytest.skip("CPU kernels turned off")
-    from inference.layers import Linear
+    from inference.kernels.cpu.linear_layer import CPULinear
 
-    flags = cpu_kernels.cpu_flags()
+    flags = cpu_build.cpu_flags()
     bf16 = "avx512_bf16" in flags and "avx512bw" in flags
     amx = "amx_bf16" in flags and bf16
-    assert cpu_kernels.decode_attention_library().amx is amx
-    assert cpu_kernels.linear_bf16_amx_available() is amx
-    assert bool(cpu_kernels.linear_bf16_panel()) is bf16
-    lin = Linear(torch.zeros(48, 64, dtype=torch.bfloat16))
+    assert cpu_attention.decode_attention_library().amx is amx
+    assert cpu_linear.linear_bf16_amx_available() is amx
+    assert bool(cpu_linear.linear_bf16_panel()) is bf16
+    lin = CPULinear(torch.zeros(48, 64, dtype=torch.bfloat16))
     assert (lin._tiles is not None) is amx
     assert (lin._bf16_panels is not None) is (bf16 and not amx)
-    if amx and cpu_kernels.linear_f32_panel():
+    if amx and cpu_linear.linear_f32_panel():
         # the tile unit runs these products 7-8x faster than linear.c's float32 panels:
         # ``auto`` must weigh the kernel the model runs, not linear.c's bf16 panels
-        from inference.engine import resolve_dtype
+        from inference.device import resolve_dtype
 
         assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
 
@@ -178,7 +182,7 @@ def test_bf16_kernel_exponential_is_accurate():
     inf = float("inf")
     x = torch.cat([torch.linspace(-87, 0, 100_003), torch.tensor([-1e-30, -0.5, -200.0, -inf])])
     out = torch.full_like(x, float("nan"))
-    lib = cpu_kernels.decode_attention_library()
+    lib = cpu_attention.decode_attention_library()
     assert lib.docqa_attention_bf16_exp(x.data_ptr(), out.data_ptr(), x.numel()) == 0
     ref = x.double().clamp(min=-87).exp()
     rel = ((out.double() - ref) / ref).abs()
@@ -213,12 +217,12 @@ def test_bf16_softmax_of_four_rows_has_the_bits_of_one_row(tmp_path):
     bits the one-row step gives it (the prompt path's and the tile unit's), or a token's
     result would depend on the rows beside it."""
     _bf16_kernel()
-    csrc = cpu_kernels.SOURCE.parent
+    csrc = cpu_build.CSRC
     exe = tmp_path / "softmax_rows"
-    flags = [f for f in cpu_kernels.CFLAGS if f not in ("-shared", "-fPIC")]
+    flags = [f for f in cpu_build.CFLAGS if f not in ("-shared", "-fPIC")]
     here = Path(__file__).parent / "csrc" / "softmax_rows.c"
     subprocess.run(
-        [cpu_kernels._compiler(), *flags, f"-I{csrc}", "-o", str(exe), str(here), "-lm"],
+        [cpu_build.compiler(), *flags, f"-I{csrc}", "-o", str(exe), str(here), "-lm"],
         check=True,
         capture_output=True,
     )
@@ -235,8 +239,8 @@ def test_bf16_kernel_groups_do_not_change_outputs():
     _bf16_kernel()
     rng = random.Random(SEED)
     bs, d = 16, 64
-    per = cpu_kernels.bf16_unit_rows() // 3
-    assert per == (32 if cpu_kernels.decode_attention_library().amx else 16)
+    per = cpu_attention.bf16_unit_rows() // 3
+    assert per == (32 if cpu_attention.decode_attention_library().amx else 16)
     specs = [(1090, 1, True, False)] + [(1000 + 13 * i, 1, True, True) for i in range(per + 2)]
     specs += [(1130, 40, False, True), (40, 1, True, False), (2 * per + 5, 2 * per, False, False)]
     k_cache, v_cache, tables, meta = _step(rng, bs, 3, d, torch.bfloat16, specs)
@@ -249,10 +253,10 @@ def test_bf16_kernel_groups_do_not_change_outputs():
     # the 40-token chunk in full units and the rest; the 2 * per-token one in two full units
     assert sizes.count(per) >= 2 + 40 // per and 40 % per in sizes
     assert max(shared.tolist()) >= 960
-    grouped = cpu_kernels.attention_bf16(
+    grouped = cpu_attention.attention_bf16(
         q, rows, k_cache, v_cache, bt, ctx, 0.125, starts, shared, torch.empty_like(q)
     )
-    alone = cpu_kernels.attention_bf16(
+    alone = cpu_attention.attention_bf16(
         q,
         rows,
         k_cache,
@@ -283,7 +287,7 @@ def test_decode_groups_part_at_the_manual_not_at_the_system_instructions():
         ctx.append(1060 + rng.randrange(40))
         manual_of.append(m)
     for max_rows in (16, 32):
-        order, starts, shared = cpu_kernels.decode_groups(tables, ctx, 16, 3, max_rows)
+        order, starts, shared = cpu_attention.decode_groups(tables, ctx, 16, 3, max_rows)
         assert sorted(order) == list(range(22))
         for a, b, keys in zip(starts, starts[1:], shared, strict=False):
             members = order[a:b]
@@ -307,7 +311,7 @@ def test_bf16_kernel_rejects_groups_outside_its_limits():
     )
     start = torch.tensor([0, 1], dtype=torch.int32)
     with pytest.raises(ValueError, match="outside its limits"):  # 100 keys: not a round's end
-        cpu_kernels.attention_bf16(
+        cpu_attention.attention_bf16(
             *args, 0.125, start, torch.tensor([100], dtype=torch.int32), torch.empty_like(q)
         )
 
@@ -440,11 +444,11 @@ def test_decode_kernel_groups_share_reads_without_changing_outputs():
         tables, [s[0] for s in specs], [1] * len(specs), bs, "cpu", [True] * len(specs)
     )
     ctx = [s[0] for s in specs]
-    order, starts, shared = cpu_kernels.decode_groups(tables, ctx, bs, 3)
+    order, starts, shared = cpu_attention.decode_groups(tables, ctx, bs, 3)
     assert sorted(order) == list(range(len(specs)))
     groups = [order[a:b] for a, b in zip(starts, starts[1:], strict=False)]
     assert max(len(g) for g in groups) <= 5  # 16 rows // 3 rows per token
-    assert all(k % cpu_kernels.ROUND == 0 for k in shared) and max(shared) >= 960
+    assert all(k % cpu_attention.ROUND == 0 for k in shared) and max(shared) >= 960
     by_token = {t: (g, k) for g, k in zip(groups, shared, strict=True) for t in g}
     assert sorted(by_token[6][0]) == [6, 7] and 256 <= by_token[6][1] <= 320
     assert by_token[8] == ([8], 0)  # the short sequence shares nothing
@@ -454,10 +458,10 @@ def test_decode_kernel_groups_share_reads_without_changing_outputs():
     bt = torch.stack([meta.block_tables[o] for o in order]).contiguous()
     lens = torch.tensor([ctx[o] for o in order], dtype=torch.int32)
     args = (q, rows, k_cache, v_cache, bt, lens, 0.125)
-    grouped = cpu_kernels.decode_attention(
+    grouped = cpu_attention.decode_attention(
         *args, torch.tensor(starts, dtype=torch.int32), torch.tensor(shared, dtype=torch.int32)
     )
-    assert torch.equal(grouped, cpu_kernels.decode_attention(*args)), f"seed {SEED}"
+    assert torch.equal(grouped, cpu_attention.decode_attention(*args)), f"seed {SEED}"
     ref = _dense(q, k_cache, v_cache, tables, specs, 0.125)[order]
     assert (grouped.double() - ref).abs().max().item() < 1e-4
 
@@ -467,7 +471,7 @@ def test_tiled_float32_kernel_masks_each_row_at_its_own_context():
     context together, 16 tokens (48 query rows) to a unit, each row masked at its own context:
     every token gets the bits it gets alone, at chunk starts on and off the 64-key rounds, and
     stays as close to float64 attention as the reference path."""
-    if not cpu_kernels.decode_attention_tiled(torch.float32, torch.float32, 64):
+    if not cpu_attention.decode_attention_tiled(torch.float32, torch.float32, 64):
         pytest.skip("no register-tiled float32 path on this CPU (x86 with FMA)")
     rng = random.Random(SEED)
     bs, d = 16, 64
@@ -481,17 +485,19 @@ def test_tiled_float32_kernel_masks_each_row_at_its_own_context():
         starts = list(range(0, n, 16)) + [n]
         shared = [int(ctx[b - 1]) for b in starts[1:]]  # every key of the unit's last token
         args = (q, rows, k_cache, v_cache, bt, ctx, 0.125)
-        grouped = cpu_kernels.decode_attention(
+        grouped = cpu_attention.decode_attention(
             *args, torch.tensor(starts, dtype=torch.int32), torch.tensor(shared, dtype=torch.int32)
         )
-        assert torch.equal(grouped, cpu_kernels.decode_attention(*args)), f"{first} (seed {SEED})"
+        assert torch.equal(grouped, cpu_attention.decode_attention(*args)), f"{first} (seed {SEED})"
         ref = _dense(q, k_cache, v_cache, tables, specs, 0.125)
         assert (grouped.double() - ref).abs().max().item() < 1e-5
         # a unit's shared keys off the rounds must cover every context of the unit
         short = torch.tensor([shared[0] - 1] + shared[1:], dtype=torch.int32)
-        if short[0] % cpu_kernels.ROUND:
+        if short[0] % cpu_attention.ROUND:
             with pytest.raises(ValueError, match="outside its limits"):
-                cpu_kernels.decode_attention(*args, torch.tensor(starts, dtype=torch.int32), short)
+                cpu_attention.decode_attention(
+                    *args, torch.tensor(starts, dtype=torch.int32), short
+                )
 
 
 def test_cpu_backend_reads_strided_queries_in_place():

@@ -12,7 +12,7 @@ import pytest
 from safetensors import safe_open
 
 from bench import floor
-from inference.config import ModelConfig
+from inference.model.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 

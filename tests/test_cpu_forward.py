@@ -5,7 +5,8 @@ import pytest
 import torch
 from conftest import write_tiny_model
 
-from inference import LLM, SamplingParams, cpu_kernels
+from inference import LLM, SamplingParams
+from inference.kernels.cpu import linear as cpu_linear
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +29,8 @@ def kernel_model_dir(tmp_path_factory, default_model_dir):
 
 def _compiled_path_here(dtype: str) -> bool:
     if dtype == "float32":
-        return bool(cpu_kernels.linear_f32_panel())
-    return bool(cpu_kernels.linear_bf16_panel() or cpu_kernels.linear_bf16_amx_available())
+        return bool(cpu_linear.linear_f32_panel())
+    return bool(cpu_linear.linear_bf16_panel() or cpu_linear.linear_bf16_amx_available())
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -41,7 +42,7 @@ def _serve(llm, compiled: bool) -> list:
     """A short request alone, then five at once (a shared 150-token prefix, chunked prompts
     beside decodes), greedy; returns the requests with their logits."""
     eng = llm.engine
-    eng.model.compiled_layers = compiled
+    eng.runner.model.compiled_layers = compiled
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     manual = _prompt(1, 150)
     done = []
@@ -66,11 +67,11 @@ def test_compiled_layers_give_the_python_loops_bits(kernel_model_dir, dtype):
     runs = {}
     for compiled in (True, False):
         llm = LLM(kernel_model_dir, dtype=dtype, kv_cache_gib=0.01, max_num_batched_tokens=64)
-        model = llm.engine.model
-        taken = model.compiled_layer_loop(llm.engine.kv_caches) is not None
+        model = llm.engine.runner.model
+        taken = model.layer_loop(llm.engine.runner.kv_caches) is not None
         assert taken, "the compiled loop should take a model whose every part has a kernel"
         runs[compiled] = _serve(llm, compiled)
-        assert (model.compiled_layer_loop(llm.engine.kv_caches) is not None) == compiled
+        assert (model.layer_loop(llm.engine.runner.kv_caches) is not None) == compiled
     for fast, slow in zip(runs[True], runs[False], strict=True):
         assert fast.output_token_ids == slow.output_token_ids
         assert len(fast.logits) == len(slow.logits) == 6
@@ -81,7 +82,7 @@ def test_compiled_layers_give_the_python_loops_bits(kernel_model_dir, dtype):
 def test_models_without_kernels_for_every_part_keep_the_python_loop(tiny_model_dir):
     # head size 16: no attention kernel takes it
     llm = LLM(tiny_model_dir, dtype="float32", kv_cache_gib=0.002)
-    assert llm.engine.model.compiled_layer_loop(llm.engine.kv_caches) is None
+    assert llm.engine.runner.model.layer_loop(llm.engine.runner.kv_caches) is None
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     out = llm.generate(prompt_token_ids=[_prompt(3, 20)], sampling_params=params)
     assert len(out[0].token_ids) == 3

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from inference import LLM, PromptTooLongError, SamplingParams
-from inference.engine import zeroed_kv_tensor
+from inference.engine.scheduler import RequestTooLargeError
 from inference.kv_sizing import kv_bytes_per_token
-from inference.scheduler import RequestTooLargeError
+from inference.runner.cpu_runner import zeroed_kv_tensor
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_kv_allocation_matches_sizing(llm):
     cfg = eng.model_config
     bpt = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16)
     assert eng.kv_spec.bytes_per_token == bpt
-    assert eng.kv_cache_allocated_bytes() == bpt * eng.kv_spec.num_tokens
+    assert eng.runner.allocated_bytes() == bpt * eng.kv_spec.num_tokens
     assert eng.kv_spec.num_tokens == int(0.01 * 2**30) // (bpt * 16) * 16
 
 
@@ -257,7 +257,7 @@ def test_auto_dtype_is_measured_once_per_machine(tmp_path, monkeypatch):
     """``auto`` on a CPU follows the first measurement kept beside the kernels: a later process
     reads it instead of measuring again, and where another process wrote its record first (two
     replicas starting together), both follow that one."""
-    from inference import engine
+    from inference import device as engine
 
     path = tmp_path / "kernels" / "auto-dtype.json"
     monkeypatch.setattr(engine, "_dtype_record_path", lambda: path)
@@ -305,7 +305,7 @@ def test_a_requests_token_slices_are_its_joined_tokens():
     """``Request.token_ids`` (a step's chunk, read without joining prompt and answer) gives
     the same tokens as slicing the joined list, on either side of the prompt's end and
     across it."""
-    from inference.sequence import Request
+    from inference.engine.sequence import Request
 
     req = Request("r", [5, 6, 7, 8], SamplingParams())
     req.output_token_ids.extend([9, 10, 11])
@@ -317,25 +317,25 @@ def test_a_requests_token_slices_are_its_joined_tokens():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_copying_a_blocks_first_slots_touches_nothing_else(tiny_model_dir, dtype):
-    """``_copy_slots`` (a prompt's start that a cached block holds) gives block ``dst`` the
+    """``copy_slots`` (a prompt's start that a cached block holds) gives block ``dst`` the
     first ``n`` slots of block ``src`` in every layer's K and V cache, and changes no other
     slot, block or cache."""
     eng = LLM(tiny_model_dir, dtype=dtype, kv_cache_gib=0.002).engine
     gen = torch.Generator().manual_seed(3)
-    for kc, vc in eng.kv_caches:
+    for kc, vc in eng.runner.kv_caches:
         kc.copy_(torch.randn(kc.shape, generator=gen))
         vc.copy_(torch.randn(vc.shape, generator=gen))
-    blocks, size = eng.kv_caches[0][0].shape[:2]
+    blocks, size = eng.runner.kv_caches[0][0].shape[:2]
     for src, dst, n in [(1, 4, 5), (blocks - 1, 0, size), (2, 3, 0), (3, 2, 1)]:
-        want = [(kc.clone(), vc.clone()) for kc, vc in eng.kv_caches]
+        want = [(kc.clone(), vc.clone()) for kc, vc in eng.runner.kv_caches]
         for kc, vc in want:
             kc[dst, :n] = kc[src, :n]
             vc[dst, :n] = vc[src, :n]
-        eng._copy_slots(src, dst, n)
-        for (kc, vc), (wk, wv) in zip(eng.kv_caches, want, strict=True):
+        eng.runner.copy_slots(src, dst, n)
+        for (kc, vc), (wk, wv) in zip(eng.runner.kv_caches, want, strict=True):
             assert torch.equal(kc, wk) and torch.equal(vc, wv), (src, dst, n)
     with pytest.raises(IndexError):
-        eng._copy_slots(0, blocks, 1)
+        eng.runner.copy_slots(0, blocks, 1)
 
 
 def _resident_bytes() -> int:
@@ -350,9 +350,7 @@ linux_only = pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="
 @linux_only
 def test_a_cpu_kv_tensor_is_zero_and_takes_memory_only_where_written():
     before = _resident_bytes()
-    t = zeroed_kv_tensor(
-        (2**30 // (16 * 3 * 64 * 2), 16, 3, 64), torch.bfloat16, torch.device("cpu")
-    )
+    t = zeroed_kv_tensor((2**30 // (16 * 3 * 64 * 2), 16, 3, 64), torch.bfloat16)
     assert t.nbytes > 2**30 - 2**14 and t.is_contiguous()
     assert _resident_bytes() - before < 2**26  # not the gibibyte
     assert not t[::97].any()
@@ -370,16 +368,16 @@ def test_the_cpu_pool_is_mapped_in_the_background_and_keeps_what_the_engine_wrot
     was written."""
     before = _resident_bytes()
     eng = LLM(tiny_model_dir, dtype="bfloat16", kv_cache_gib=0.5).engine
-    pool = sum(k.nbytes + v.nbytes for k, v in eng.kv_caches)
+    pool = sum(k.nbytes + v.nbytes for k, v in eng.runner.kv_caches)
     req = eng.add_request(list(range(50, 90)), SamplingParams(max_tokens=2, ignore_eos=True))
     eng.step()  # the prompt
     blocks = eng.kv_manager.block_ids(req.request_id)
     while not req.finished:
         eng.step()
     assert len(req.output_token_ids) == 2
-    eng._prefault.join(timeout=120)
-    assert not eng._prefault.is_alive()
+    eng.runner.prefault.join(timeout=120)
+    assert not eng.runner.prefault.is_alive()
     assert _resident_bytes() - before > 0.9 * pool
-    for k, v in eng.kv_caches:
+    for k, v in eng.runner.kv_caches:
         assert k.view(k.shape[0], -1).any(dim=1).nonzero().flatten().tolist() == sorted(blocks)
         assert all(v[b].any() for b in blocks)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from inference.errors import ModelError
-from inference.gguf_file import GGUFFormatError, read_gguf
-from inference.model_import import DEFAULT_GGUF_MEMBER, import_gguf, models_dir
+from inference.model.gguf_file import GGUFFormatError, read_gguf
+from inference.model.model_import import DEFAULT_GGUF_MEMBER, import_gguf, models_dir
 
 
 def _same_as_the_library(path) -> None:

@@ -5,11 +5,18 @@ import random
 import pytest
 import torch
 
-from inference import cpu_kernels
-from inference.attention import AttentionMetadata
-from inference.config import ModelConfig
-from inference.layers import LINEAR_MAX_SLAB, LINEAR_ROW_SLAB, Linear, _cancelling_probe
-from inference.model import LlamaModel
+from inference.attention.metadata import AttentionMetadata
+from inference.kernels.cpu import elementwise as cpu_elementwise
+from inference.kernels.cpu import linear as cpu_linear
+from inference.kernels.cpu.linear_layer import (
+    LINEAR_MAX_SLAB,
+    LINEAR_ROW_SLAB,
+    CPULinear,
+    _cancelling_probe,
+)
+from inference.model.config import ModelConfig
+from inference.model.llama import LlamaModel
+from inference.runner.cpu_runner import cpu_ops
 
 
 def _hf_tiny(num_heads, num_kv_heads, qwen2=False, seed=0):
@@ -51,7 +58,8 @@ def _hf_tiny(num_heads, num_kv_heads, qwen2=False, seed=0):
 
 
 def _ours(cfg, model, dtype=torch.float32):
-    ours = LlamaModel(ModelConfig.from_dict(cfg.to_dict()), dtype)
+    config = ModelConfig.from_dict(cfg.to_dict())
+    ours = LlamaModel(config, dtype, cpu_ops(dtype, dtype, "torch", config.hidden_size))
     ours.load_state_dict(model.state_dict())
     return ours
 
@@ -163,11 +171,11 @@ def test_linear_rows_do_not_depend_on_the_call_size(dtype, out_f, in_f):
     (no slabs) where they are built, else in bf16 with the slab the probe chose (32 to 128
     rows) and its padding."""
     w, x = _cancelling_probe(out_f, in_f, 300, dtype, seed=7)
-    lin = Linear(w, None, LINEAR_ROW_SLAB, LINEAR_MAX_SLAB)
+    lin = CPULinear(w, None, LINEAR_ROW_SLAB, LINEAR_MAX_SLAB)
     kernel = (
-        cpu_kernels.linear_f32_panel()
+        cpu_linear.linear_f32_panel()
         if dtype == torch.float32
-        else cpu_kernels.linear_bf16_amx_available() or cpu_kernels.linear_bf16_panel()
+        else cpu_linear.linear_bf16_amx_available() or cpu_linear.linear_bf16_panel()
     )
     if kernel:
         assert lin.row_slab is None and lin.min_rows == 1
@@ -182,7 +190,7 @@ def test_linear_rows_do_not_depend_on_the_call_size(dtype, out_f, in_f):
             assert torch.equal(got, full[part]), (n, part, lin.row_slab, lin.min_rows)
 
 
-@pytest.mark.skipif(not cpu_kernels.linear_f32_panel(), reason="linear.c is not built here")
+@pytest.mark.skipif(not cpu_linear.linear_f32_panel(), reason="linear.c is not built here")
 @pytest.mark.parametrize("out_f,in_f,bias", [(50, 70, True), (1000, 576, False), (33, 1536, True)])
 def test_linear_f32_kernel_against_float64(out_f, in_f, bias):
     """linear.c's products, bias included, against float64 within float32 rounding of a
@@ -193,7 +201,7 @@ def test_linear_f32_kernel_against_float64(out_f, in_f, bias):
     b = torch.randn(out_f, generator=gen) if bias else None
     wide = torch.randn(200, in_f + 9, generator=gen)
     x = wide[:, 3 : 3 + in_f]  # rows strided
-    lin = Linear(w, b)
+    lin = CPULinear(w, b)
     got = lin(x)
     ref = x.double() @ w.double().T + (b.double() if bias else 0)
     bound = 4 * in_f * 2**-24 * (x.double().abs() @ w.double().abs().T) + 1e-6
@@ -214,7 +222,7 @@ def _ggml_weight(kind: str, out_f: int, in_f: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(quants.dequantize(quants.quantize(w, kind_id), kind_id).copy())
 
 
-@pytest.mark.skipif(not cpu_kernels.linear_f32_panel(), reason="linear.c is not built here")
+@pytest.mark.skipif(not cpu_linear.linear_f32_panel(), reason="linear.c is not built here")
 @pytest.mark.parametrize(
     "kind,out_f,in_f",
     [("Q4_1", 37, 800), ("Q4_1", 960, 576), ("Q8_0", 50, 1536), ("Q8_0", 16, 32), ("Q4_0", 40, 96)],
@@ -226,28 +234,28 @@ def test_quantized_weights_give_the_float32_panels_bits(kind, out_f, in_f):
     grid keeps it in float32."""
     w = _ggml_weight(kind, out_f, in_f, seed=5)
     bias = torch.randn(out_f, generator=torch.Generator().manual_seed(6))
-    packed = cpu_kernels.pack_linear_f32(w, quantized=True)
-    plain = cpu_kernels.pack_linear_f32(w, quantized=False)
+    packed = cpu_linear.pack_linear_f32(w, quantized=True)
+    plain = cpu_linear.pack_linear_f32(w, quantized=False)
     held = "q8_0" if kind == "Q4_0" else kind.lower()
-    assert cpu_kernels.weight_format(packed) == held
-    assert cpu_kernels.weight_format(plain) == "float32"
+    assert cpu_linear.weight_format(packed) == held
+    assert cpu_linear.weight_format(plain) == "float32"
     assert packed.numel() * (3 if held == "q4_1" else 2) < plain.numel()
     wide = torch.randn(200, in_f + 5, generator=torch.Generator().manual_seed(7))
     x = wide[:, 2 : 2 + in_f]  # rows strided
     for n in [*range(1, 18), 28, 95, 96, 97, 200]:
         for b in (None, bias):
-            got = cpu_kernels.linear_f32(x[:n], packed, out_f, b)
-            assert torch.equal(got, cpu_kernels.linear_f32(x[:n], plain, out_f, b)), (n, b)
+            got = cpu_linear.linear_f32(x[:n], packed, out_f, b)
+            assert torch.equal(got, cpu_linear.linear_f32(x[:n], plain, out_f, b)), (n, b)
     off = w.clone()
     off[out_f // 2, in_f // 3] = torch.nextafter(off[out_f // 2, in_f // 3], torch.tensor(1.0))
-    assert cpu_kernels.weight_format(cpu_kernels.pack_linear_f32(off, quantized=True)) == "float32"
+    assert cpu_linear.weight_format(cpu_linear.pack_linear_f32(off, quantized=True)) == "float32"
     zero = w.clone()
     zero[out_f - 1, :32] = 0.0  # a block of zeros is d = 0
-    assert cpu_kernels.weight_format(cpu_kernels.pack_linear_f32(zero, quantized=True)) == held
+    assert cpu_linear.weight_format(cpu_linear.pack_linear_f32(zero, quantized=True)) == held
     zero[out_f - 1, 7] = -0.0  # whose expansion would be +0.0
-    assert cpu_kernels.weight_format(cpu_kernels.pack_linear_f32(zero, quantized=True)) == "float32"
+    assert cpu_linear.weight_format(cpu_linear.pack_linear_f32(zero, quantized=True)) == "float32"
     with pytest.raises(ValueError, match="bad sizes"):
-        cpu_kernels.linear_f32(x[:3, : in_f - 1], packed, out_f)
+        cpu_linear.linear_f32(x[:3, : in_f - 1], packed, out_f)
 
 
 @pytest.mark.parametrize("kernel", ["amx", "avx512"])
@@ -261,9 +269,9 @@ def test_linear_bf16_kernels_against_float64(kernel, out_f, in_f, bias):
     register tiles (the AMX tail copied to a padded tile) and strided inputs; equal bits for
     a row alone, for a row in a call of any size, and for the call's rows in a reversed
     order."""
-    if kernel == "amx" and not cpu_kernels.linear_bf16_amx_available():
+    if kernel == "amx" and not cpu_linear.linear_bf16_amx_available():
         pytest.skip("no AMX-BF16 tile unit here")
-    if kernel == "avx512" and not cpu_kernels.linear_bf16_panel():
+    if kernel == "avx512" and not cpu_linear.linear_bf16_panel():
         pytest.skip("linear.c's bf16 kernel is not built here (no AVX512-BF16)")
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(out_f, in_f, generator=gen).bfloat16()
@@ -271,14 +279,14 @@ def test_linear_bf16_kernels_against_float64(kernel, out_f, in_f, bias):
     wide = torch.randn(101, in_f + 9, generator=gen).bfloat16()
     x = wide[:, 3 : 3 + in_f]  # rows strided
     if kernel == "amx":
-        lin = Linear(w, b)
+        lin = CPULinear(w, b)
         assert lin._tiles is not None and lin.weight is None
     else:
-        packed = cpu_kernels.pack_linear_bf16(w)
+        packed = cpu_linear.pack_linear_bf16(w)
         bias32 = None if b is None else b.float()
 
         def lin(v):
-            return cpu_kernels.linear_bf16(v, packed, out_f, bias32)
+            return cpu_linear.linear_bf16(v, packed, out_f, bias32)
 
     got = lin(x)
     assert got.dtype == torch.bfloat16 and got.shape == (101, out_f)
@@ -304,13 +312,14 @@ def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 @pytest.mark.skipif(
-    cpu_kernels.elementwise_library() is None, reason="the element-wise kernels do not build here"
+    cpu_elementwise.elementwise_library() is None,
+    reason="the element-wise kernels do not build here",
 )
 def test_fused_elementwise_steps_match_torch_and_keep_rows_apart():
     """add_rms_norm in bf16 adds the residual with torch's rounding (the same bits) and
     normalizes within one bf16 step of layers.rms_norm; silu_mul within one step of
     torch's silu(gate) * up; a row alone gets the bits it gets in the call."""
-    from inference.layers import rms_norm
+    from inference.model.layers import rms_norm
 
     gen = torch.Generator().manual_seed(11)
     n, d, inter = 37, 576, 1536
@@ -320,20 +329,22 @@ def test_fused_elementwise_steps_match_torch_and_keep_rows_apart():
     h_ref = h + delta
     x_ref = rms_norm(h_ref, w, 1e-5)
     h_ours = h.clone()
-    x = cpu_kernels.add_rms_norm(h_ours, delta, w, 1e-5)
+    x = cpu_elementwise.add_rms_norm(h_ours, delta, w, 1e-5)
     assert torch.equal(h_ours, h_ref)
     assert _ulps_apart(x, x_ref) <= 1
-    assert torch.equal(cpu_kernels.add_rms_norm(h_ref.clone(), None, w, 1e-5), x)
+    assert torch.equal(cpu_elementwise.add_rms_norm(h_ref.clone(), None, w, 1e-5), x)
     for r in (0, 17, 36):
         one = h[r : r + 1].clone()
-        assert torch.equal(cpu_kernels.add_rms_norm(one, delta[r : r + 1], w, 1e-5), x[r : r + 1])
+        assert torch.equal(
+            cpu_elementwise.add_rms_norm(one, delta[r : r + 1], w, 1e-5), x[r : r + 1]
+        )
 
     gu = (torch.randn(n, 2 * inter, generator=gen) * 4).bfloat16()
     gu[0, :8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 60.0, -60.0, 100.0, -100.0])
     ref = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-    got = cpu_kernels.silu_mul(gu, inter)
+    got = cpu_elementwise.silu_mul(gu, inter)
     assert _ulps_apart(got, ref) <= 1
-    assert torch.equal(cpu_kernels.silu_mul(gu[5:6], inter), got[5:6])
+    assert torch.equal(cpu_elementwise.silu_mul(gu[5:6], inter), got[5:6])
 
 
 def _rotary_config() -> ModelConfig:
@@ -352,7 +363,8 @@ def _rotary_config() -> ModelConfig:
 
 
 @pytest.mark.skipif(
-    cpu_kernels.elementwise_library() is None, reason="the element-wise kernels do not build here"
+    cpu_elementwise.elementwise_library() is None,
+    reason="the element-wise kernels do not build here",
 )
 def test_fused_rotary_and_store_match_torch():
     """rotary_store in bf16 rotates query and key heads at least as close to float64 as
@@ -361,7 +373,7 @@ def test_fused_rotary_and_store_match_torch():
     rotated key and its value in its slot, leaves other slots and values untouched, and skips
     tokens whose slot is -1."""
     cfg = _rotary_config()
-    from inference.layers import RotaryTable
+    from inference.model.layers import RotaryTable
 
     rot = RotaryTable(cfg, 256, torch.bfloat16)
     gen = torch.Generator().manual_seed(5)
@@ -373,7 +385,9 @@ def test_fused_rotary_and_store_match_torch():
     v_cache = torch.zeros(4, 8, kvh, d, dtype=torch.bfloat16)
     ref = rot.apply(qkv[:, : (heads + kvh) * d].view(n, heads + kvh, d), rot.gather(positions))
     got = qkv.clone()
-    cpu_kernels.rotary_store(got, heads, kvh, positions, rot.cos, rot.sin, slots, k_cache, v_cache)
+    cpu_elementwise.rotary_store(
+        got, heads, kvh, positions, rot.cos, rot.sin, slots, k_cache, v_cache
+    )
     x = qkv[:, : (heads + kvh) * d].view(n, heads + kvh, d).double()
     c = rot.cos[positions].double().unsqueeze(1)
     s_ = rot.sin[positions].double().unsqueeze(1)
@@ -392,14 +406,15 @@ def test_fused_rotary_and_store_match_torch():
 
 
 @pytest.mark.skipif(
-    cpu_kernels.elementwise_library() is None, reason="the element-wise kernels do not build here"
+    cpu_elementwise.elementwise_library() is None,
+    reason="the element-wise kernels do not build here",
 )
 def test_fused_elementwise_steps_in_float32_match_torch_and_keep_rows_apart():
     """In float32: add_rms_norm adds the residual exactly as torch does and normalizes within
     a few units in the last place of layers.rms_norm, silu_mul of F.silu(g) * u, rotary_store
     of RotaryTable.apply, with the rotated keys and the values in their slots; a row alone
     gets the bits it gets in a call of many."""
-    from inference.layers import RotaryTable, rms_norm
+    from inference.model.layers import RotaryTable, rms_norm
 
     gen = torch.Generator().manual_seed(12)
     n, d, inter = 37, 576, 1536
@@ -408,23 +423,25 @@ def test_fused_elementwise_steps_in_float32_match_torch_and_keep_rows_apart():
     w = torch.rand(d, generator=gen) + 0.5
     h_ref = h + delta
     h_ours = h.clone()
-    x = cpu_kernels.add_rms_norm(h_ours, delta, w, 1e-5)
+    x = cpu_elementwise.add_rms_norm(h_ours, delta, w, 1e-5)
     assert torch.equal(h_ours, h_ref)
     torch.testing.assert_close(x, rms_norm(h_ref, w, 1e-5), rtol=4e-7, atol=0)
-    assert torch.equal(cpu_kernels.add_rms_norm(h_ref.clone(), None, w, 1e-5), x)
+    assert torch.equal(cpu_elementwise.add_rms_norm(h_ref.clone(), None, w, 1e-5), x)
     for r in (0, 17, 36):
         one = h[r : r + 1].clone()
-        assert torch.equal(cpu_kernels.add_rms_norm(one, delta[r : r + 1], w, 1e-5), x[r : r + 1])
+        assert torch.equal(
+            cpu_elementwise.add_rms_norm(one, delta[r : r + 1], w, 1e-5), x[r : r + 1]
+        )
 
     gu = torch.randn(n, 2 * inter, generator=gen) * 4
     gu[0, :8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 60.0, -60.0, 100.0, -100.0])
-    got = cpu_kernels.silu_mul(gu, inter)
+    got = cpu_elementwise.silu_mul(gu, inter)
     ref = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-30)
-    assert torch.equal(cpu_kernels.silu_mul(gu[5:6], inter), got[5:6])
+    assert torch.equal(cpu_elementwise.silu_mul(gu[5:6], inter), got[5:6])
     odd = torch.randn(3, 2 * 13, generator=gen) * 4  # a row's last elements past whole vectors
     torch.testing.assert_close(
-        cpu_kernels.silu_mul(odd, 13),
+        cpu_elementwise.silu_mul(odd, 13),
         torch.nn.functional.silu(odd[:, :13]) * odd[:, 13:],
         rtol=1e-6,
         atol=1e-30,
@@ -441,7 +458,9 @@ def test_fused_elementwise_steps_in_float32_match_torch_and_keep_rows_apart():
     qk = (heads + kvh) * hd
     ref = rot.apply(qkv[:, :qk].view(9, heads + kvh, hd), rot.gather(positions))
     got = qkv.clone()
-    cpu_kernels.rotary_store(got, heads, kvh, positions, rot.cos, rot.sin, slots, k_cache, v_cache)
+    cpu_elementwise.rotary_store(
+        got, heads, kvh, positions, rot.cos, rot.sin, slots, k_cache, v_cache
+    )
     torch.testing.assert_close(got[:, :qk].view(9, heads + kvh, hd), ref, rtol=1e-6, atol=1e-6)
     assert torch.equal(got[:, qk:], qkv[:, qk:])
     flat_k, flat_v = k_cache.view(32, kvh * hd), v_cache.view(32, kvh * hd)
@@ -452,17 +471,18 @@ def test_fused_elementwise_steps_in_float32_match_torch_and_keep_rows_apart():
     untouched = [s for s in range(32) if s not in slots.tolist()]
     assert not flat_k[untouched].any() and not flat_v[untouched].any()
     one = qkv[5:6].clone()
-    cpu_kernels.rotary_store(
+    cpu_elementwise.rotary_store(
         one, heads, kvh, positions[5:6], rot.cos, rot.sin, torch.tensor([-1]), k_cache, v_cache
     )
     assert torch.equal(one, got[5:6])
 
 
 @pytest.mark.skipif(
-    cpu_kernels.elementwise_library() is None, reason="the element-wise kernels do not build here"
+    cpu_elementwise.elementwise_library() is None,
+    reason="the element-wise kernels do not build here",
 )
 def test_argmax_rows_gives_torch_argmax():
-    """The engine's greedy tokens (``cpu_kernels.argmax_rows``, elementwise.c) are
+    """The engine's greedy tokens (``cpu_elementwise.argmax_rows``, elementwise.c) are
     ``torch.argmax``'s for every row: the first of tied maxima (0.0 and -0.0 tied), the first
     NaN in a row that holds one, index 0 in a row of -inf, ties and NaNs in the vector part and
     in the tail past the last 16 values, strided rows, and row counts from 0 to 33."""
@@ -482,4 +502,4 @@ def test_argmax_rows_gives_torch_argmax():
                     x[3, :] = -1.0
                     x[3, n // 2] = -0.0
                     x[3, n - 1] = 0.0  # -0.0 and 0.0 tie: the first wins
-            assert cpu_kernels.argmax_rows(x) == torch.argmax(x, dim=-1).tolist(), (m, n)
+            assert cpu_elementwise.argmax_rows(x) == torch.argmax(x, dim=-1).tolist(), (m, n)

@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from inference import LLM, SamplingParams
-from inference.attention import AttentionMetadata
-from inference.model import LlamaModel
-from inference.model_import import DEFAULT_GGUF_MEMBER, models_dir
+from inference.attention.metadata import AttentionMetadata
+from inference.model.llama import LlamaModel
+from inference.model.model_import import DEFAULT_GGUF_MEMBER, models_dir
+from inference.runner.cpu_runner import cpu_ops
 from prompts import PromptBuilder
 
 pytestmark = pytest.mark.slow
@@ -49,7 +50,8 @@ def test_logits_match_transformers_gguf_loader(default_model_dir, tokenizer):
     hf = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
     ).eval()
-    ours = LlamaModel.from_pretrained(default_model_dir, torch.float32)
+    ops = cpu_ops(torch.float32, torch.float32, "torch", 576)
+    ours = LlamaModel.from_pretrained(default_model_dir, torch.float32, ops)
     ids = tokenizer.encode(MANUAL[:700] + " Question: what is mode B?")
     n = len(ids)
     with torch.no_grad():
@@ -76,10 +78,10 @@ def test_float32_model_keeps_its_quantized_weights_with_the_same_logits(
     """In float32 the default model's linear layers stay in their GGUF block forms (Q4_1, the
     tied output Q8_0): about a fifth of the float32 bytes, and logits bitwise equal to the
     same model on plain float32 panels, for a prompt and for the decode step after it."""
-    from inference import cpu_kernels
-    from inference.layers import Linear
+    from inference.kernels.cpu import linear as cpu_linear
+    from inference.kernels.cpu.linear_layer import CPULinear
 
-    if not cpu_kernels.linear_f32_panel():
+    if not cpu_linear.linear_f32_panel():
         pytest.skip("linear.c is not built here")
     ids = tokenizer.encode(MANUAL[:400] + " Question: what is mode B?")
     n = len(ids)
@@ -87,15 +89,16 @@ def test_float32_model_keeps_its_quantized_weights_with_the_same_logits(
     logits, sizes = {}, {}
     for quantized in ("1", "0"):
         monkeypatch.setenv("DOCQA_QUANTIZED_WEIGHTS", quantized)
-        model = LlamaModel.from_pretrained(default_model_dir, torch.float32)
+        ops = cpu_ops(torch.float32, torch.float32, "torch", 576)
+        model = LlamaModel.from_pretrained(default_model_dir, torch.float32, ops)
         cfg = model.cfg
         lins = [model.lm_head] + [
             getattr(layer, name)
             for layer in model.layers
             for name in ("qkv", "o_proj", "gate_up", "down")
         ]
-        assert all(isinstance(lin, Linear) for lin in lins)
-        formats = {cpu_kernels.weight_format(lin._panels) for lin in lins}
+        assert all(isinstance(lin, CPULinear) for lin in lins)
+        formats = {cpu_linear.weight_format(lin._panels) for lin in lins}
         assert formats == ({"q4_1", "q8_0"} if quantized == "1" else {"float32"}), formats
         sizes[quantized] = sum(lin._panels.numel() for lin in lins)
         kv = [
@@ -143,7 +146,7 @@ def test_bf16_decode_logits_equal_alone_and_in_a_batch(bf16_llm):
     step are the same bits alone and with the other questions about the same manual (which
     share its cached blocks) in the step."""
     eng = bf16_llm.engine
-    assert eng.attention_backend == "cpu"  # gcc is on every machine the tests run on
+    assert eng.runner.attention_backend == "cpu"  # gcc is on every machine the tests run on
     builder = PromptBuilder(bf16_llm.tokenizer)
     prompts = [builder.build(MANUAL, q).token_ids for q in QUESTIONS]
     _first(bf16_llm, prompts[0], use_cache=True)  # the manual cached
@@ -180,4 +183,4 @@ def test_fp32_greedy_tokens_agree_cold_and_warm(default_model_dir):
 def test_kv_bytes_of_loaded_model(bf16_llm):
     eng = bf16_llm.engine
     assert eng.kv_spec.bytes_per_token == 2 * 30 * 3 * 64 * 2  # 22.5 KiB
-    assert eng.kv_cache_allocated_bytes() == eng.kv_spec.total_bytes
+    assert eng.runner.allocated_bytes() == eng.kv_spec.total_bytes

@@ -9,8 +9,7 @@ import time
 import pytest
 from svc_helpers import REDIS_URL, RUN_REDIS_PREFIX, RedisServer, delete_prefix, redis_client
 
-from inference import SamplingParams
-from inference.engine import EngineConfig, LLMEngine
+from inference import EngineConfig, LLMEngine, SamplingParams
 from prefix_store import TierBlock, TierConfig
 from prefix_store.redis_tier import decode_block, encode_block
 from prompts import PromptBuilder

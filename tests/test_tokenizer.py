@@ -26,7 +26,7 @@ def test_merges_agree_with_transformers_on_digit_free_text(default_model_dir, to
     it skips digit splitting, so compare on text without digits."""
     from transformers import AutoTokenizer
 
-    from inference.model_import import DEFAULT_GGUF_MEMBER, models_dir
+    from inference.model.model_import import DEFAULT_GGUF_MEMBER, models_dir
 
     gguf = models_dir() / "gguf" / DEFAULT_GGUF_MEMBER.split("/")[-1]
     ref = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

@@ -14,7 +14,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from inference import triton_attention as ta  # noqa: E402
+from inference.kernels.triton import paged_attention as ta  # noqa: E402
 
 POISON = float("nan")
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -163,7 +163,7 @@ def test_engine_with_the_triton_backend_matches_the_torch_backend(tiny_model_dir
     before = dict(ta.LAUNCHES)
     for backend in ("torch", "triton"):
         llm = LLM(tiny_model_dir, dtype="float32", kv_cache_gib=0.002, attention_backend=backend)
-        assert llm.engine.attention_backend == backend
+        assert llm.engine.runner.attention_backend == backend
         eng = llm.engine
         reqs = [eng.add_request(p, params, keep_logits=True) for p in prompts]
         while any(not r.finished for r in reqs):

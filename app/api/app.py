@@ -24,7 +24,7 @@ from app.metrics import CONTENT_TYPE, ServiceMetrics
 from app.qa import QAService
 from app.replicas import REPLICA_HEADER, ReplicaRegistry
 from app.settings import Settings
-from inference.config import dtype_name
+from inference.model.config import dtype_name
 
 log = logging.getLogger("docqa.api")
 
@@ -88,14 +88,15 @@ async def engine_info(state: State) -> EngineInfo:
     e = runner.require_ready()
     c = runner.counters()
     spec = e.kv_spec
+    device = e.runner
     queries = c["prefix_cache_queries"]
     return EngineInfo(
         model=runner.model_name,
-        dtype=dtype_name(e.dtype),
-        kv_dtype=dtype_name(e.kv_dtype),
-        device=str(e.device),
-        attention_backend=e.attention_backend,
-        linear_weight_bytes=e.model.linear_storage(),
+        dtype=dtype_name(device.dtype),
+        kv_dtype=dtype_name(device.kv_dtype),
+        device=str(device.device),
+        attention_backend=device.attention_backend,
+        linear_weight_bytes=device.model.linear_storage(),
         block_size=spec.block_size,
         max_model_len=e.max_model_len,
         kv_bytes_per_token=spec.bytes_per_token,

@@ -1,23 +1,18 @@
-"""Batch-invariant building blocks: linear, RMSNorm, rotary embedding.
+"""CPULinear: a linear layer on the CPU whose rows are batch-invariant.
 
-Why ``linear`` works in row slabs: CPU matrix kernels (torch 2.13, oneDNN/MKL) pick their
-kernel, and with it the accumulation order, by the number of rows. Measured with bf16 weights:
-on a Xeon with AMX, calls of 1 to 32 rows give bit-identical rows but calls of more switch
-kernels; on AMD Zen 4 a call of one row takes a matrix-vector path of its own (the down
-projection's rows differ, rarely, where a sum cancels) while calls of 2 to 128 rows agree. In
-float32 torch's calls of up to 11 rows differ from larger ones. Float32 weights on CPU go
-through ``inference/csrc/linear.c`` instead (where it builds), bf16 ones through
+Float32 weights go through ``csrc/linear.c`` (where it builds), bf16 ones through
 ``linear_amx.c`` on a CPU with AMX and through linear.c's bf16 kernel on one with AVX512-BF16:
-their rows are invariant by construction, and need neither slabs nor padding. Otherwise
-every product runs in slabs of a fixed number of rows, and a call, or a last slab, of fewer
-rows than the shape's ``min_rows`` is padded to ``min_rows``: each row's result is then
-independent of how many rows share the call (prefill chunking, decode batching).
+their rows are invariant by construction, and need neither slabs nor padding.
 
-Both are measured once per weight shape and dtype (``_probe``), with inputs whose sums cancel,
-where any change of summation order shows after rounding: the slab is the largest of
-``max_slab``, its halves, down to ``row_slab``, whose calls agree from as few rows as those of
-``row_slab`` do (larger slabs run prefill faster: 128-row products reach 410 GFLOP/s on Zen 4,
-32-row ones 270-385).
+Elsewhere torch's products run, and CPU matrix kernels (oneDNN/MKL) pick their kernel, and with
+it the accumulation order, by the number of rows (csrc/README.md, "Row slabs" has the
+measurements). There every product runs in slabs of a fixed number of rows, and a call, or a
+last slab, of fewer rows than the shape's ``min_rows`` is padded to ``min_rows``: each row's
+result is then independent of how many rows share the call (prefill chunking, decode
+batching). Both are measured once per weight shape and dtype (``_probe``), with inputs whose
+sums cancel, where any change of summation order shows after rounding: the slab is the largest
+of ``max_slab``, its halves, down to ``row_slab``, whose calls agree from as few rows as those
+of ``row_slab`` do (larger slabs run prefill faster).
 """
 
 from __future__ import annotations
@@ -32,8 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from inference import cpu_kernels
-from inference.config import ModelConfig
+from inference.kernels.cpu import linear as kernels
+from inference.kernels.cpu.build import machine_file
 
 LINEAR_ROW_SLAB = 32  # the slab every CPU keeps rows invariant in (fewest rows measured)
 LINEAR_MAX_SLAB = 128  # the largest slab tried for a model's layers
@@ -43,8 +38,6 @@ _PROBES: dict[str, int] = {}  # probe key -> min_rows (or more than its floor)
 def _probe_file() -> Path:
     """Where probe results persist between processes: they depend on torch, the CPU and the
     thread count only (the key says which), and cost about a second per model to measure."""
-    from inference.cpu_kernels import machine_file
-
     return machine_file("linear-rows")
 
 
@@ -106,10 +99,10 @@ def _cancelling_input(rows: int, in_features: int, dtype, seed: int) -> torch.Te
     return torch.cat([a, tail], dim=1).to(dtype)
 
 
-class Linear:
-    """y = x @ w.T (+ b) with batch-invariant rows.
+class CPULinear:
+    """y = x @ w.T (+ b) on the CPU with batch-invariant rows.
 
-    On CPU in float32 the weight is packed once into linear.c's panels, in bf16 on a CPU with
+    In float32 the weight is packed once into linear.c's panels, in bf16 on a CPU with
     AMX into linear_amx.c's tiles, and in bf16 on one with AVX512-BF16 into linear.c's panels
     of input pairs (rows invariant by construction at any call size: ``row_slab`` is then
     None). Other CPUs pack bf16 weights once into oneDNN's blocked layout
@@ -130,18 +123,17 @@ class Linear:
         self.bias = bias
         self.out_features, self.in_features = weight.shape
         self._packed = None
-        self._panels = None  # the float32 kernel's packed weight (cpu_kernels.linear_f32)
-        self._tiles = None  # the AMX kernel's packed weight (cpu_kernels.linear_bf16_amx)
-        self._bf16_panels = None  # linear.c's bf16 packed weight (cpu_kernels.linear_bf16)
+        self._panels = None  # the float32 kernel's packed weight (kernels.linear_f32)
+        self._tiles = None  # the AMX kernel's packed weight (kernels.linear_bf16_amx)
+        self._bf16_panels = None  # linear.c's bf16 packed weight (kernels.linear_bf16)
         self._bias_f32 = None
-        cpu = weight.device.type == "cpu"
-        bf16 = cpu and weight.dtype == torch.bfloat16
-        if cpu and weight.dtype == torch.float32 and cpu_kernels.linear_f32_panel():
-            self._panels = cpu_kernels.pack_linear_f32(weight)
-        elif bf16 and weight.shape[1] % 32 == 0 and cpu_kernels.linear_bf16_amx_available():
-            self._tiles = cpu_kernels.pack_linear_bf16_amx(weight)
-        elif bf16 and weight.shape[1] % 2 == 0 and cpu_kernels.linear_bf16_panel():
-            self._bf16_panels = cpu_kernels.pack_linear_bf16(weight)
+        bf16 = weight.dtype == torch.bfloat16
+        if weight.dtype == torch.float32 and kernels.linear_f32_panel():
+            self._panels = kernels.pack_linear_f32(weight)
+        elif bf16 and weight.shape[1] % 32 == 0 and kernels.linear_bf16_amx_available():
+            self._tiles = kernels.pack_linear_bf16_amx(weight)
+        elif bf16 and weight.shape[1] % 2 == 0 and kernels.linear_bf16_panel():
+            self._bf16_panels = kernels.pack_linear_bf16(weight)
         if (self._tiles is not None or self._bf16_panels is not None) and bias is not None:
             self._bias_f32 = bias.float().contiguous()
         if self._panels is not None or self._tiles is not None or self._bf16_panels is not None:
@@ -149,15 +141,11 @@ class Linear:
             self.row_slab = None  # invariant by construction: no slabs, no padding
             self.min_rows = 1
             return
-        if (
-            weight.device.type == "cpu"
-            and weight.dtype == torch.bfloat16
-            and _mkldnn_packing_available()
-        ):
+        if bf16 and _mkldnn_packing_available():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.row_slab = row_slab
         self.min_rows = 1  # calls of fewer rows are padded to this many (module docstring)
-        if row_slab is not None and weight.device.type == "cpu":
+        if row_slab is not None:
             self.min_rows = self._probe(row_slab, row_slab)
             slab = max_slab or row_slab
             while slab > row_slab:
@@ -167,8 +155,8 @@ class Linear:
                 slab //= 2
 
     def compiled(self) -> tuple[str, torch.Tensor, torch.Tensor | None] | None:
-        """The compiled kernel this layer's products run in, as the layer loop of
-        ``cpu_forward`` calls it: (``"f32"`` for linear.c's float32 panels, ``"bf16"`` for
+        """The compiled kernel this layer's products run in, as the compiled layer loop
+        (``kernels.cpu.forward``) calls it: (``"f32"`` for linear.c's float32 panels, ``"bf16"`` for
         its bf16 panels, ``"amx"`` for linear_amx.c's tiles; the packed weight; the bias as
         that kernel takes it, float32), or None where the products are torch's."""
         if self._panels is not None:
@@ -179,11 +167,20 @@ class Linear:
             return "amx", self._tiles, self._bias_f32
         return None
 
+    @property
+    def kind(self) -> str:
+        """Which product runs (``f32``, ``bf16``, ``amx``, ``onednn`` or ``torch``): each gives
+        its own bits, so it is part of the model's fingerprint."""
+        compiled = self.compiled()
+        if compiled is not None:
+            return compiled[0]
+        return "onednn" if self._packed is not None else "torch"
+
     def storage(self) -> tuple[str, int]:
         """How the weight is held for the products, and its bytes: ``q4_1`` / ``q8_0`` (linear.c's
         block forms of a GGUF weight), else the dtype's name (``float32``, ``bfloat16``)."""
         if self._panels is not None:
-            return cpu_kernels.weight_format(self._panels), self._panels.numel()
+            return kernels.weight_format(self._panels), self._panels.numel()
         held = next(
             t for t in (self._tiles, self._bf16_panels, self._packed, self.weight) if t is not None
         )
@@ -247,11 +244,11 @@ class Linear:
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self._panels is not None:
-            return cpu_kernels.linear_f32(x, self._panels, self.out_features, self.bias)
+            return kernels.linear_f32(x, self._panels, self.out_features, self.bias)
         if self._tiles is not None:
-            return cpu_kernels.linear_bf16_amx(x, self._tiles, self.out_features, self._bias_f32)
+            return kernels.linear_bf16_amx(x, self._tiles, self.out_features, self._bias_f32)
         if self._bf16_panels is not None:
-            return cpu_kernels.linear_bf16(x, self._bf16_panels, self.out_features, self._bias_f32)
+            return kernels.linear_bf16(x, self._bf16_panels, self.out_features, self._bias_f32)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -272,63 +269,4 @@ class Linear:
         out = x.new_empty(n, self.out_features)
         for i in range(0, n, slab):
             out[i : i + slab] = self._padded(x[i : i + slab])
-        return out
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Per-row RMSNorm computed in float32, as Llama's reference does."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """[head_dim // 2] float32 inverse frequencies, with Llama-3 scaling when configured."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    rs = cfg.rope_scaling
-    if rs is None:
-        return inv
-    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
-    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
-    wavelen = 2 * torch.pi / inv
-    scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
-    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
-        rs.high_freq_factor - rs.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
-    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-class RotaryTable:
-    """cos/sin per position, precomputed in float32 and cast to the compute dtype."""
-
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        max_positions: int,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-    ):
-        inv = rope_inv_freq(cfg)
-        pos = torch.arange(max_positions, dtype=torch.int64).float()
-        freqs = torch.outer(pos, inv)
-        emb = torch.cat([freqs, freqs], dim=-1)  # [P, d]
-        self.cos = emb.cos().to(dtype).to(device)
-        self.sin = emb.sin().to(dtype).to(device)
-
-    def gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin rows of ``positions`` [N], shaped to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-    def apply(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x: [N, heads, d]; ``cos_sin`` from ``gather(positions)`` of its N rows."""
-        cos, sin = cos_sin
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        out = torch.empty_like(x)
-        # (x * cos + rotate_half(x) * sin), with rotate_half(x) = [-x2, x1]
-        out[..., :half] = x1 * cos[..., :half] - x2 * sin[..., :half]
-        out[..., half:] = x2 * cos[..., half:] + x1 * sin[..., half:]
         return out

@@ -1,12 +1,11 @@
-"""The decoder layers of a step in one call to compiled code (``inference/csrc/forward.c``).
+"""The decoder layers of a step in one call to compiled code (``csrc/forward.c``).
 
-``LlamaModel._fused_layers`` calls nine kernels a layer from Python: 270 calls a step for
-SmolLM2, each wrapped in argument checks, views, allocations and ctypes conversions. On a
-2-core Zen 4 that interpreter work measured 2.5 ms of an 11.6 ms one-token decode step and
-3-6 ms of a step under load, while the other thread waits. ``CPUForward`` hands the same
-calls, with the same arguments in the same order, to one C loop over the layers: the results
-are the same bits (tests/test_cpu_forward.py compares the two paths), and what is left in
-Python per step is filling one small struct.
+The model's Python layer loop calls nine kernels a layer: 270 calls a step for SmolLM2, each
+wrapped in argument checks, views, allocations and ctypes conversions (csrc/README.md, "The
+layer loop", has what that cost). ``CPUForward`` hands the same calls, with the same arguments
+in the same order, to one C loop over the layers: the results are the same bits
+(tests/test_cpu_forward.py compares the two paths), and what is left in Python per step is
+filling one small struct.
 
 It takes the model only where every part has a compiled kernel: activations and KV caches in
 bf16 or float32, linear layers packed for linear.c (or linear_amx.c), the fused element-wise
@@ -20,16 +19,17 @@ import ctypes
 import functools
 import logging
 import subprocess
-from pathlib import Path
 
 import torch
 
-from inference import cpu_kernels
-from inference.attention import AttentionMetadata
+from inference.attention.metadata import AttentionMetadata
+from inference.kernels.cpu import attention as attention_kernels
+from inference.kernels.cpu import elementwise, linear
+from inference.kernels.cpu.build import CSRC, KernelBuildError, build
 
 log = logging.getLogger("docqa.engine")
 
-SOURCE = Path(__file__).parent / "csrc" / "forward.c"
+SOURCE = CSRC / "forward.c"
 _p, _i32, _i64, _f = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
 
@@ -104,8 +104,8 @@ class _StepDesc(ctypes.Structure):
 def forward_library() -> ctypes.CDLL | None:
     """The compiled layer loop, or None where it does not build."""
     try:
-        lib = ctypes.CDLL(str(cpu_kernels.build(SOURCE)))
-    except (cpu_kernels.KernelBuildError, OSError, subprocess.SubprocessError) as e:
+        lib = ctypes.CDLL(str(build(SOURCE)))
+    except (KernelBuildError, OSError, subprocess.SubprocessError) as e:
         log.warning("compiled layer loop unavailable, the layers run from Python: %s", e)
         return None
     fn = lib.docqa_forward_layers
@@ -136,31 +136,32 @@ _CALLS = (
 
 
 class CPUForward:
-    """The layer loop of one model over one KV pool, in C. ``run`` does what
-    ``LlamaModel._fused_layers`` does: it updates ``h`` in place and returns the last layer's
-    MLP output (not yet added). Its buffers are kept between steps (grown when a step has
-    more rows), so it must be used from one thread at a time, as the engine's step loop
-    does."""
+    """The layer loop of one model over one KV pool, in C, with the CPU attention backend
+    ``backend`` planning each step's work groups. ``run`` does what the model's Python layer
+    loop does: it updates ``h`` in place and returns the last layer's MLP output (not yet
+    added). Its buffers are kept between steps (grown when a step has more rows), so it must
+    be used from one thread at a time, as the engine's step loop does."""
 
-    def __init__(self, model, kv_caches, amx: bool):
+    def __init__(self, model, kv_caches, backend, amx: bool):
         cfg = model.cfg
         self.model = model
+        self.backend = backend
         self.bf16 = model.dtype == torch.bfloat16
         # float32 attention on its register-tiled path plans units of up to 48 query rows
-        self.tiled = not self.bf16 and cpu_kernels.decode_attention_tiled(
+        self.tiled = not self.bf16 and attention_kernels.decode_attention_tiled(
             model.dtype, model.dtype, cfg.head_dim
         )
-        el = cpu_kernels.elementwise_library()
+        el = elementwise.elementwise_library()
         suffix = "bf16" if self.bf16 else "f32"
         if amx:
-            linear = cpu_kernels.amx_library().docqa_linear_bf16_amx
+            product = linear.amx_library().docqa_linear_bf16_amx
         else:
-            linear = getattr(cpu_kernels.linear_library(), f"docqa_linear_{suffix}")
-        attn_lib = cpu_kernels.decode_attention_library()
+            product = getattr(linear.linear_library(), f"docqa_linear_{suffix}")
+        attn_lib = attention_kernels.decode_attention_library()
         attention = attn_lib.docqa_attention_bf16 if self.bf16 else attn_lib.docqa_decode_attention
         block_size = kv_caches[0][0].shape[1]
         self.desc = _ModelDesc(
-            linear=_address(linear),
+            linear=_address(product),
             add_rms_norm=_address(getattr(el, f"docqa_add_rms_norm_{suffix}")),
             silu_mul=_address(getattr(el, f"docqa_silu_mul_{suffix}")),
             rotary_store=_address(getattr(el, f"docqa_rotary_store_{suffix}")),
@@ -197,9 +198,7 @@ class CPUForward:
                 terms = lin.in_features // 2 if self.bf16 else lin.in_features
                 self.part_floats = max(
                     self.part_floats,
-                    cpu_kernels.linear_part_floats(
-                        cpu_kernels.LINEAR_ROW_BLOCK, lin.out_features, terms
-                    ),
+                    linear.linear_part_floats(linear.LINEAR_ROW_BLOCK, lin.out_features, terms),
                 )
         self.widths = {  # the step's buffers: [rows, width] each
             "x": cfg.hidden_size,
@@ -219,35 +218,30 @@ class CPUForward:
         self.step.sin = model.rotary.sin.data_ptr()
 
     @classmethod
-    def build(cls, model, kv_caches) -> CPUForward | None:
-        """A CPUForward for the model over these caches, or None where a part has no compiled
-        kernel (the model then runs its Python loop)."""
+    def build(cls, model, kv_caches, backend) -> CPUForward | None:
+        """A CPUForward for the model over these caches (CPU tensors) with this attention
+        backend, or None where a part has no compiled kernel (the model then runs its Python
+        loop)."""
         cfg = model.cfg
         dtype = model.dtype
-        backend = model.attn_backend
         if (
-            model.device.type != "cpu"
-            or dtype not in (torch.bfloat16, torch.float32)
+            dtype not in (torch.bfloat16, torch.float32)
             or getattr(backend, "name", None) != "cpu"
             or not backend.plain_store
             or cfg.hidden_size % 16
             or not kv_caches
-            or cpu_kernels.elementwise_library() is None
+            or elementwise.elementwise_library() is None
             or forward_library() is None
         ):
             return None
         k_cache = kv_caches[0][0]
-        if any(
-            t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu"
-            for pair in kv_caches
-            for t in pair
-        ):
+        if any(t.dtype != dtype or not t.is_contiguous() for pair in kv_caches for t in pair):
             return None
         heads, kvh, d, bs = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, k_cache.shape[1]
         if dtype == torch.bfloat16:
-            if not cpu_kernels.bf16_kernel_supports(dtype, dtype, heads, kvh, d):
+            if not attention_kernels.bf16_kernel_supports(dtype, dtype, heads, kvh, d):
                 return None
-        elif not cpu_kernels.decode_kernel_supports(dtype, dtype, heads, kvh, d, bs):
+        elif not attention_kernels.decode_kernel_supports(dtype, dtype, heads, kvh, d, bs):
             return None
         kinds = set()
         for lw in model.layers:
@@ -259,11 +253,11 @@ class CPUForward:
                     return None  # only the qkv product may have a bias (Qwen2)
                 kinds.add(kernel[0])
         if kinds == {"f32"} and dtype == torch.float32:
-            return cls(model, kv_caches, amx=False)
+            return cls(model, kv_caches, backend, amx=False)
         if kinds == {"bf16"} and dtype == torch.bfloat16:
-            return cls(model, kv_caches, amx=False)
+            return cls(model, kv_caches, backend, amx=False)
         if kinds == {"amx"} and dtype == torch.bfloat16:
-            return cls(model, kv_caches, amx=True)
+            return cls(model, kv_caches, backend, amx=True)
         return None
 
     def _reserve(self, rows: int) -> None:
@@ -289,7 +283,7 @@ class CPUForward:
         step)."""
         cfg = self.model.cfg
         rows = h.shape[0]
-        backend = self.model.attn_backend
+        backend = self.backend
         group = cfg.num_heads // cfg.num_kv_heads
         plan = backend.plan(meta, h.device, self.desc.block_size, group, self.bf16, self.tiled)
         self._reserve(rows)
@@ -319,8 +313,3 @@ class CPUForward:
             )
         hidden = self.widths["delta"]
         return self.buffers["delta"][: rows * hidden].view(rows, hidden)
-
-
-def kv_key(kv_caches) -> tuple[int, ...]:
-    """What tells one KV pool from another (a CPUForward holds its caches' addresses)."""
-    return tuple(t.data_ptr() for pair in kv_caches for t in pair)

@@ -11,8 +11,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from inference.engine.sequence import Request, RequestStatus
 from inference.errors import DocqaError
-from inference.sequence import Request, RequestStatus
 from prefix_store import CachedPrefix, KVCacheManager, NoFreeBlocksError
 
 
@@ -50,14 +50,41 @@ class SchedulerConfig:
 
 
 class ScheduledChunk(NamedTuple):
+    """One request's share of a step: tokens [num_context_tokens, num_context_tokens +
+    num_new_tokens) of its prompt and answer."""
+
     request: Request
     num_new_tokens: int  # tokens computed for this request in this step
     num_context_tokens: int  # tokens already in its KV before this step
+    block_ids: list[int]  # the request's KV blocks, enough for every token through this step
+    is_decode: bool  # one new token following a sampled one (``is_decode``)
+    samples: bool  # the chunk ends at the request's last token: its logits give the next
 
 
 class SchedulerOutput(NamedTuple):
-    chunks: list[ScheduledChunk]
+    """What one step computes, handed to the model runner."""
+
+    chunks: list[ScheduledChunk]  # running requests first (oldest first), then admissions
     preempted: list[Request]  # requests moved back to waiting in this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(c.is_decode for c in self.chunks)
+
+    @property
+    def sampling(self) -> list[Request]:
+        """The requests whose next token this step samples, in chunk order."""
+        return [c.request for c in self.chunks if c.samples]
+
+
+def _chunk(req: Request, n: int, ctx: int, blocks) -> ScheduledChunk:
+    return ScheduledChunk(
+        req, n, ctx, [b.block_id for b in blocks], is_decode(req, n, ctx), ctx + n == req.num_tokens
+    )
 
 
 class RequestTooLargeError(DocqaError):
@@ -142,7 +169,7 @@ class Scheduler:
                 n = min(n, prompt_budget)
             while True:
                 try:
-                    self.kv.allocate(req.request_id, req.num_computed_tokens + n)
+                    blocks = self.kv.allocate(req.request_id, req.num_computed_tokens + n)
                     break
                 except NoFreeBlocksError:
                     victim = self._preempt_newest(keep=req)
@@ -153,11 +180,11 @@ class Scheduler:
                     for c in chunks:
                         if c.request is victim:
                             budget += c.num_new_tokens
-                            if not is_decode(victim, c.num_new_tokens, c.num_context_tokens):
+                            if not c.is_decode:
                                 prompt_budget += c.num_new_tokens
                     chunks = [c for c in chunks if c.request is not victim]
             if n > 0:
-                chunks.append(ScheduledChunk(req, n, req.num_computed_tokens))
+                chunks.append(_chunk(req, n, req.num_computed_tokens, blocks))
                 budget -= n
                 if prompt:
                     prompt_budget -= n
@@ -168,9 +195,7 @@ class Scheduler:
     # -- admission --------------------------------------------------------------------------------
     def prompt_hashes(self, req: Request) -> list[bytes]:
         """The chained hashes of the request's full prompt blocks (computed once)."""
-        if req.prompt_block_hashes is None:
-            req.prompt_block_hashes = self.kv.hasher(req.namespace).chain(req.prompt_token_ids)
-        return req.prompt_block_hashes
+        return req.prompt_hashes(self.kv.hasher(req.namespace))
 
     def _lookup(self, req: Request):
         if not req.use_cache:
@@ -197,7 +222,7 @@ class Scheduler:
         now = time.perf_counter()
         window = self.config.fairness_window_s
         # a request whose second-tier lookup is still in flight waits for it
-        ready = (r for r in self.waiting if r.tier_fetch is None)
+        ready = (r for r in self.waiting if r.tier_lookup is None)
         head = list(itertools.islice(ready, self.config.admission_lookahead))
         keyed = []
         for req in head:
@@ -233,7 +258,7 @@ class Scheduler:
             taken = self._allocate(req, cached, budget)
             if taken is None:
                 break
-            cached, n = taken
+            cached, n, blocks = taken
             num_cached = cached.num_cached_tokens if cached else 0
             allocated = True
             self.waiting.remove(req)
@@ -253,7 +278,7 @@ class Scheduler:
             if req.times.first_scheduled is None:
                 req.times.first_scheduled = time.perf_counter()
             self.running.append(req)
-            chunks.append(ScheduledChunk(req, n, num_cached))
+            chunks.append(_chunk(req, n, num_cached, blocks))
             budget -= n
             if req.use_cache and num_cached < req.num_prompt_tokens:
                 if inflight is None:
@@ -263,19 +288,20 @@ class Scheduler:
 
     def _allocate(
         self, req: Request, cached: CachedPrefix | None, budget: int
-    ) -> tuple[CachedPrefix | None, int] | None:
+    ) -> tuple[CachedPrefix | None, int, list] | None:
         """Give a request being admitted its blocks for its first chunk; returns the prefix
-        taken and the chunk's tokens, or None when the pool cannot supply them. A copy source
+        taken, the chunk's tokens and the request's blocks, or None when the pool cannot supply
+        them. A copy source
         held for its slots is one block less to hand out: in a full pool the copy is given up
         and those tokens are computed instead."""
         while True:
             num_cached = cached.num_cached_tokens if cached else 0
             n = min(req.num_tokens - num_cached, budget)
             try:
-                self.kv.allocate(
+                blocks = self.kv.allocate(
                     req.request_id, num_cached + n, cached, req.namespace, req.use_cache
                 )
-                return cached, n
+                return cached, n, blocks
             except NoFreeBlocksError:
                 if cached is None or cached.copy_source is None:
                     return None

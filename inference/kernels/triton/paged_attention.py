@@ -1,4 +1,4 @@
-"""Triton kernels for the paged KV cache (CONTRACTS.md, "Paged KV layout and kernels").
+"""Triton kernels for the paged KV cache (the layout in inference/attention/metadata.py).
 
 - ``store_kv``: scatter new K/V rows into the paged cache (slot -1 skipped).
 - ``paged_decode_attention``: one query token per sequence, split along the context in

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from inference.errors import ModelError
-from inference.gguf_file import read_gguf
+from inference.model.gguf_file import read_gguf
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ def import_gguf(gguf_path: Path, out_dir: Path, force: bool = False) -> Path:
     save_file(tensors, str(tmp_dir / "model.safetensors"), metadata={"format": "pt"})
     (tmp_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
-    from inference.tokenizer import build_tokenizer_from_gguf_fields
+    from inference.model.tokenizer import build_tokenizer_from_gguf_fields
 
     tok_json, tok_config = build_tokenizer_from_gguf_fields(
         tokens=tokens,

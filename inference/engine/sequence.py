@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from inference.sampling import SamplingParams
+from inference.engine.sampler import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -45,19 +45,26 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None
     times: RequestTimes = field(default_factory=RequestTimes)
+    # sampling (temperature > 0): the seed of the request's generator, which the sampler makes
+    # on the device of the logits at the first sampled token and keeps here
+    seed: int = 0
     generator: torch.Generator | None = None
     keep_logits: bool = False  # keep each sampled position's logits (tests, logprobs)
     logits: list[torch.Tensor] = field(default_factory=list)  # [vocab] float32 each
-    # chained hashes of the prompt's full blocks in this request's namespace (set by the
-    # scheduler on first look; used for cache-aware admission)
+    # chained hashes of the prompt's full blocks in this request's namespace (``prompt_hashes``)
     prompt_block_hashes: list[bytes] | None = None
-    # second tier (Redis): a lookup in flight (a future) holds the request back from admission;
-    # the hashes of blocks it loaded tell which of its cached tokens came from that tier
-    tier_fetch: Any = None
-    tier_start_block: int = 0
-    tier_deadline: float = 0.0  # perf_counter time after which the lookup is abandoned
+    # second tier (Redis): a lookup in flight (``tier_io.TierLookup``) holds the request back
+    # from admission; the hashes of blocks it loaded tell which cached tokens came from there
+    tier_lookup: Any = None
     tier_loaded: set[bytes] = field(default_factory=set)
     num_tier_cached_tokens: int = 0  # of num_cached_tokens, those loaded from the second tier
+
+    def prompt_hashes(self, hasher) -> list[bytes]:
+        """The chained hashes of the prompt's full blocks (``BlockHasher.chain`` in this
+        request's namespace), computed once."""
+        if self.prompt_block_hashes is None:
+            self.prompt_block_hashes = hasher.chain(self.prompt_token_ids)
+        return self.prompt_block_hashes
 
     @property
     def all_token_ids(self) -> list[int]:

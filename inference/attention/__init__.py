@@ -1,0 +1,1 @@
+"""Paged attention: the step's metadata, the torch reference and the backends."""

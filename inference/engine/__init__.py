@@ -1,0 +1,1 @@
+"""The engine: scheduling, requests, sampling, pins and the second tier around a model runner."""

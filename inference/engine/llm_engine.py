@@ -1,0 +1,279 @@
+"""The engine: a model runner, the prefix cache and the scheduler, advanced one step at a time.
+
+``LLMEngine.step()`` is schedule, ``runner.execute(scheduler output)``, post-process: the
+scheduler picks the step's decodes and prompt chunks, the runner computes them on its device
+and samples, and the engine indexes newly full blocks in the prefix cache (their KV is written
+by then), appends the sampled tokens and finishes requests. It is synchronous and
+single-threaded; front ends call it from one thread.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from inference.config import EngineConfig
+from inference.engine.holds import PinTable
+from inference.engine.sampler import SamplingParams
+from inference.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from inference.engine.sequence import Request
+from inference.engine.tier_io import TierIO
+from inference.errors import ModelError, PromptTooLongError
+from inference.kv_sizing import KVCacheSpec
+from inference.metrics import PrefillCostModel, RequestMetrics
+from inference.model.loader import model_fingerprint
+from inference.model.tokenizer import TextTokenizer
+from inference.runner import RunnerOutput, make_runner
+from prefix_store import KVCacheManager, RedisTier
+
+# end-of-turn markers of the chat templates docqa lays out (prompts/templates.py)
+_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|endoftext|>")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_dir = model_dir = Path(config.model_dir)
+        if not (model_dir / "config.json").is_file():
+            raise ModelError(f"no model at {model_dir} (expected a directory with config.json)")
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.runner = runner = make_runner(config)
+        self.tokenizer = TextTokenizer(model_dir)
+        self.model_config = runner.model_config
+        self.max_model_len = runner.max_model_len
+        self.fingerprint = model_fingerprint(
+            model_dir,
+            runner.dtype,
+            runner.kv_dtype,
+            config.block_size,
+            config.random_weights_seed,
+            runner.model.compute_signature(),
+        )
+        self.kv_manager = KVCacheManager(
+            self.kv_spec.num_blocks, config.block_size, self.fingerprint, runner.copy_slots
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                config.max_num_batched_tokens,
+                config.max_num_seqs,
+                prefill_tokens_with_decodes=config.prefill_tokens_with_decodes,
+            ),
+            self.kv_manager,
+        )
+        self.pins = PinTable(self.kv_manager, config.pin_budget)
+        self.tier_io: TierIO | None = None
+        if config.kv_tier is not None:
+            tier = RedisTier(
+                config.kv_tier,
+                self.fingerprint,
+                config.block_size,
+                self.kv_spec.bytes_per_block,
+            )
+            self.tier_io = TierIO(tier, self.kv_manager, runner)
+        self.cost_model = PrefillCostModel()
+        self.eos_token_ids = self._eos_token_ids()
+        self.requests: dict[str, Request] = {}
+        # counters (the metrics of docs: prompt tokens computed, output tokens, steps)
+        self.prompt_tokens_computed = 0
+        self.generation_tokens = 0
+        self.num_steps = 0
+        self.num_cancelled = 0
+        # the last step, for metrics: (sequences, prefill tokens, decode tokens, seconds in the
+        # model); None after a step that ran no batch
+        self.last_step: tuple[int, int, int, float] | None = None
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        for t in _END_OF_TURN:
+            tid = self.tokenizer.special_id(t)
+            if tid is not None and t in self.tokenizer.chat_template:
+                eos.add(tid)
+        return frozenset(eos)
+
+    @property
+    def kv_spec(self) -> KVCacheSpec:
+        return self.runner.kv_spec
+
+    @property
+    def tier(self) -> RedisTier | None:
+        """The second tier, where one is configured."""
+        return self.tier_io.tier if self.tier_io is not None else None
+
+    def close(self) -> None:
+        """Stop the second tier's threads (queued writes are flushed first)."""
+        if self.tier_io is not None:
+            self.tier_io.close()
+        self.runner.close()
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        namespace: bytes = b"",
+        use_cache: bool = True,
+        keep_logits: bool = False,
+        arrival: float | None = None,
+    ) -> Request:
+        """Queue a request. ``use_cache=False`` is cache "bypass": nothing is read from the
+        prefix cache and nothing of this request is registered in it. ``arrival`` (a
+        ``time.perf_counter`` time) is when the request reached the front end, if earlier than
+        now: its queue time and TTFT count from there. A ``request_id`` already in the engine
+        is refused (ValueError)."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise PromptTooLongError("the prompt is empty", self.max_model_len)
+        if n >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt is {n:,} tokens; this model's context is {self.max_model_len:,} tokens "
+                "(one position must stay free for the answer)",
+                self.max_model_len,
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ModelError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        rid = request_id or f"req_{uuid.uuid4().hex[:16]}"
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in the engine")
+        seed = params.seed
+        if seed is None:
+            seed = int.from_bytes(os.urandom(8), "little") >> 1
+        req = Request(
+            rid,
+            list(prompt_token_ids),
+            params,
+            namespace=namespace,
+            use_cache=use_cache,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            seed=seed,
+            keep_logits=keep_logits,
+        )
+        if arrival is not None:
+            req.times.arrival = min(arrival, req.times.arrival)
+        self.scheduler.add(req, reserved_blocks=self.pins.num_pinned_blocks)
+        self.requests[rid] = req
+        if self.tier_io is not None and use_cache and self.tier_io.up:
+            self.tier_io.start_lookup(req)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its blocks are freed at once."""
+        req = self.requests.pop(request_id, None)
+        if req is not None and not req.finished:
+            self.scheduler.abort(req)
+            req.finish_reason = "abort"
+            self.num_cancelled += 1
+
+    def release(self, req: Request) -> None:
+        """Forget a finished request (its blocks are already freed)."""
+        self.requests.pop(req.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- pins and the second tier -----------------------------------------------------------------
+    def pin(self, key: str, token_ids: list[int], namespace: bytes = b"") -> int:
+        """``PinTable.pin``: the cached full blocks of ``token_ids`` held under ``key``."""
+        return self.pins.pin(key, token_ids, namespace)
+
+    def unpin(self, key: str) -> bool:
+        return self.pins.unpin(key)
+
+    def write_prefix_to_tier(self, token_ids: list[int], namespace: bytes = b"") -> int:
+        """``TierIO.write_prefix``; 0 without a second tier."""
+        return 0 if self.tier_io is None else self.tier_io.write_prefix(token_ids, namespace)
+
+    # -- one step -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """Schedule, execute on the runner, post-process; returns the requests that finished
+        in this step."""
+        self.last_step = None
+        if self.tier_io is not None:
+            self.tier_io.install_ready()
+        sched = self.scheduler.schedule()
+        if not sched.chunks:
+            if self.tier_io is not None:
+                self.tier_io.wait(0.05)  # nothing to run: a lookup may finish meanwhile
+            return []
+        out = self.runner.execute(sched)
+        self._record_computed(sched, out.model_s)
+        return self._append_tokens(sched, out)
+
+    def _record_computed(self, sched: SchedulerOutput, model_s: float) -> None:
+        """After the forward pass: each chunk's tokens count as computed, blocks that became
+        full are indexed (and written through to the second tier), and a step of prompt
+        chunks alone teaches the prefill cost model."""
+        self.num_steps += 1
+        n_decode = sched.num_decode_tokens
+        self.last_step = (len(sched.chunks), sched.num_tokens - n_decode, n_decode, model_s)
+        bs = self.kv_spec.block_size
+        newly: list | None = [] if self.tier_io is not None and self.tier_io.up else None
+        prefill_chunks = []
+        for c in sched.chunks:
+            req, n, ctx = c.request, c.num_new_tokens, c.num_context_tokens
+            if not c.is_decode:
+                self.prompt_tokens_computed += n
+                req.times.prefill_s += model_s
+                prefill_chunks.append((n, ctx))
+            req.num_computed_tokens = ctx + n
+            if (ctx + n) // bs > ctx // bs:  # a block became full: hash and index it
+                self.kv_manager.register_computed(req.request_id, req.all_token_ids, ctx + n, newly)
+        if newly:
+            self.tier_io.write_through(newly)
+        if prefill_chunks and len(prefill_chunks) == len(sched.chunks):
+            self.cost_model.observe(prefill_chunks, model_s)
+
+    def _append_tokens(self, sched: SchedulerOutput, out: RunnerOutput) -> list[Request]:
+        """Each sampled token to its request; requests that reach an end of turn (unless
+        ``ignore_eos``), ``max_tokens`` or the context finish, their blocks freed."""
+        finished = []
+        now = time.perf_counter()
+        for row, (req, tok) in enumerate(zip(sched.sampling, out.sampled_token_ids, strict=True)):
+            if req.keep_logits:
+                req.logits.append(out.logits[row].clone())
+            req.output_token_ids.append(tok)
+            self.generation_tokens += 1
+            if req.times.first_token is None:
+                req.times.first_token = now
+            reason = None
+            if tok in req.eos_token_ids and not req.params.ignore_eos:
+                reason = "stop"
+            elif (
+                len(req.output_token_ids) >= req.params.max_tokens
+                or req.num_tokens >= req.max_model_len
+            ):
+                reason = "length"
+            if reason:
+                self.scheduler.finish(req, reason)
+                finished.append(req)
+        return finished
+
+    # -- reporting ----------------------------------------------------------------------------
+    def request_metrics(self, req: Request) -> RequestMetrics:
+        t = req.times
+        end = t.finished or time.perf_counter()
+        first = t.first_token or end
+        n_out = len(req.output_token_ids)
+        decode_ms = (end - first) * 1000 if t.first_token else 0.0
+        return RequestMetrics(
+            queue_ms=((t.first_scheduled or end) - t.arrival) * 1000,
+            ttft_ms=(first - t.arrival) * 1000,
+            prefill_ms=t.prefill_s * 1000,
+            decode_ms=decode_ms,
+            tpot_ms=decode_ms / (n_out - 1) if n_out > 1 else 0.0,
+            e2e_ms=(end - t.arrival) * 1000,
+            ttft_saved_ms=self.cost_model.saved_ms(
+                req.num_prompt_tokens, max(req.num_cached_tokens, 0)
+            ),
+        )

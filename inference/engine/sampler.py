@@ -1,0 +1,109 @@
+"""Sampling parameters and the batched sampler.
+
+The sampler turns a step's next-token logits into tokens: greedy rows through one argmax (the
+runner's, e.g. the CPU's compiled one), sampled rows through one batched pass of temperature,
+top-k and top-p, then a draw per row from the request's own generator. That generator lives
+on the device of the logits, made there at the request's first sampled token from its seed,
+so a seeded request repeats its tokens whatever else shares its steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from inference.engine.sequence import Request
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick output tokens. ``temperature == 0`` is greedy."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def torch_argmax(logits: torch.Tensor) -> list[int]:
+    return torch.argmax(logits, dim=-1).tolist()
+
+
+class Sampler:
+    """Tokens for a step's sampling rows. ``argmax`` is the runner's greedy op (rows [R, V]
+    float32 -> R token ids, the first of equal maxima)."""
+
+    def __init__(self, argmax: Callable[[torch.Tensor], list[int]] = torch_argmax):
+        self.argmax = argmax
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+        """``logits`` [R, vocab] float32, row i the next-token logits of ``requests[i]``;
+        returns one token id per row. Makes each sampled request's generator on first use."""
+        sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if not sampled:
+            return self.argmax(logits)
+        out = [0] * len(requests)
+        if len(sampled) < len(requests):
+            greedy = [i for i, r in enumerate(requests) if r.params.greedy]
+            for i, tok in zip(greedy, self.argmax(logits[greedy]), strict=True):
+                out[i] = tok
+        rows = logits if len(sampled) == len(requests) else logits[sampled]
+        tokens = self.sample(rows, [requests[i] for i in sampled])
+        for i, tok in zip(sampled, tokens, strict=True):
+            out[i] = tok
+        return out
+
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+        """One draw per row of ``logits`` [S, vocab] from its request's distribution."""
+        device = logits.device
+        params = [r.params for r in requests]
+        vocab = logits.shape[1]
+        temps = torch.tensor([p.temperature for p in params], device=device)
+        x = logits / temps.unsqueeze(1)
+        ks = [min(p.top_k, vocab) if p.top_k else vocab for p in params]
+        if any(k < vocab for k in ks):
+            top = torch.sort(x, dim=-1, descending=True).values
+            k_idx = torch.tensor([k - 1 for k in ks], device=device).unsqueeze(1)
+            kth = top.gather(1, k_idx)  # each row's k-th largest value (its smallest kept)
+            x = x.masked_fill(x < kth, float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+        ps = [p.top_p for p in params]
+        if any(p < 1.0 for p in ps):
+            sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+            cum = torch.cumsum(sorted_p, dim=-1)
+            top_p = torch.tensor(ps, device=device).unsqueeze(1)
+            # keep the smallest set reaching top_p; rows without top-p keep all
+            drop = (cum - sorted_p > top_p) & (top_p < 1.0)
+            probs = torch.zeros_like(probs).scatter_(1, order, sorted_p.masked_fill(drop, 0.0))
+        draws = [
+            torch.multinomial(probs[i], 1, generator=self.generator(r, device))
+            for i, r in enumerate(requests)
+        ]
+        return torch.cat(draws).tolist()
+
+    @staticmethod
+    def generator(req: Request, device: torch.device) -> torch.Generator:
+        """The request's generator, made on ``device`` from its seed at first use."""
+        if req.generator is None:
+            req.generator = torch.Generator(device=device).manual_seed(req.seed)
+        return req.generator

@@ -1,0 +1,148 @@
+"""The engine's side of the second tier (Redis): lookups before admission, loads into the
+pool, and write-through of newly indexed blocks.
+
+A request whose prompt reaches past the pool's longest cached prefix asks the tier for the
+blocks that follow (``start_lookup``); it is held back from admission until the answer is in,
+or ``TierConfig.lookup_wait_s`` has passed. Found blocks are copied into fresh blocks of the
+pool under a hold (``prefix_store.Hold``) that also keeps the local prefix from eviction, then
+indexed like computed blocks, so admission finds them as a cached prefix. Newly indexed blocks
+are read out of the pool on the engine thread (before they can be reused) and written on the
+tier's own thread. Redis I/O never runs on the step path.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from dataclasses import dataclass
+
+from inference.engine.sequence import Request
+from prefix_store import KVCacheManager, NoFreeBlocksError, RedisTier, TierBlock
+
+
+@dataclass(slots=True)
+class TierLookup:
+    """A request's lookup in flight."""
+
+    fetch: concurrent.futures.Future  # -> list[TierBlock], the blocks found in order
+    start_block: int  # the prompt's first block asked for (the local prefix's length)
+    deadline: float  # perf_counter time after which the request computes what it lacks
+
+
+class TierIO:
+    def __init__(self, tier: RedisTier, kv: KVCacheManager, runner):
+        self.tier = tier
+        self.kv = kv
+        self.runner = runner  # reads and writes blocks' K/V (``ModelRunner.read_blocks``)
+        self._pending: list[Request] = []  # requests whose lookup is in flight
+
+    @property
+    def up(self) -> bool:
+        return self.tier.up
+
+    def start_lookup(self, req: Request) -> None:
+        """Ask the tier for the prompt's blocks past the local pool's longest prefix; the
+        request is admitted once the answer is in (``install_ready``)."""
+        kv = self.kv
+        hashes = req.prompt_hashes(kv.hasher(req.namespace))
+        max_blocks = (req.num_prompt_tokens - 1) // kv.block_size
+        k = len(kv.find_cached_prefix(req.prompt_token_ids, req.namespace, hashes).blocks)
+        if k >= max_blocks:
+            return
+        parent = hashes[k - 1] if k else kv.hasher(req.namespace).root
+        req.tier_lookup = TierLookup(
+            self.tier.fetch(hashes[k:max_blocks], parent),
+            k,
+            time.perf_counter() + self.tier.config.lookup_wait_s,
+        )
+        self._pending.append(req)
+
+    def install_ready(self) -> None:
+        """Install the blocks that finished lookups found, release the requests whose lookup
+        finished or ran out of time."""
+        now = time.perf_counter()
+        still: list[Request] = []
+        for req in self._pending:
+            lookup = req.tier_lookup
+            if req.finished:  # aborted while its lookup ran
+                req.tier_lookup = None
+            elif not lookup.fetch.done():
+                if now > lookup.deadline:  # a slow Redis: compute instead of waiting
+                    req.tier_lookup = None
+                    self.tier.lookups_abandoned += 1
+                else:
+                    still.append(req)
+            else:
+                req.tier_lookup = None
+                found: list[TierBlock] = lookup.fetch.result()
+                if found:
+                    self._install(req, lookup.start_block, found)
+        self._pending = still
+
+    def _install(self, req: Request, start: int, found: list[TierBlock]) -> None:
+        kv = self.kv
+        bs = kv.block_size
+        hashes = req.prompt_hashes(kv.hasher(req.namespace))
+        local = kv.find_cached_prefix(req.prompt_token_ids, req.namespace, hashes)
+        k = len(local.blocks)
+        if k < start:  # part of the local prefix was evicted meanwhile
+            return
+        todo: list[tuple[int, TierBlock]] = []  # (prompt block, its tier block)
+        for i, blk in enumerate(found):
+            j = start + i
+            if j < k:  # computed locally meanwhile
+                continue
+            ids = tuple(req.prompt_token_ids[j * bs : (j + 1) * bs])
+            if blk.block_hash != hashes[j] or blk.token_ids != ids:
+                break
+            todo.append((j, blk))
+        reclaimed = sum(1 for b in local.blocks if b.ref_cnt == 0)
+        todo = todo[: max(0, kv.pool.num_free - reclaimed)]
+        if not todo:
+            return
+        # the hold keeps the local prefix from eviction while the fresh blocks are taken
+        held = kv.hold(local.blocks)
+        try:
+            fresh = kv.hold_new(held, len(todo))
+        except NoFreeBlocksError:
+            kv.release(held)
+            return
+        self.runner.write_blocks([b.block_id for b in fresh], [blk.payload for _, blk in todo])
+        for block, (j, blk) in zip(fresh, todo, strict=True):
+            parent = hashes[j - 1] if j else kv.hasher(req.namespace).root
+            if kv.index_block(block, blk.block_hash, parent, blk.token_ids):
+                req.tier_loaded.add(blk.block_hash)
+        kv.release(held)
+
+    def write_through(self, newly: list) -> None:
+        """Hand newly indexed blocks (block, hash, parent hash, token ids) to the tier: their
+        K/V is read here, on the engine thread, before the blocks can be reused."""
+        rows = self.runner.read_blocks([b.block_id for b, *_ in newly])
+        self.tier.write(
+            [
+                TierBlock(h, parent, ids, row)
+                for row, (_, h, parent, ids) in zip(rows, newly, strict=True)
+            ]
+        )
+
+    def write_prefix(self, token_ids: list[int], namespace: bytes = b"") -> int:
+        """Write the locally cached full blocks of ``token_ids`` to the tier (again); returns
+        the blocks queued. The caller waits on ``tier.flush()``."""
+        cached = self.kv.find_cached_prefix(list(token_ids) + [0], namespace)
+        if not cached.blocks:
+            return 0
+        self.write_through([(b, b.block_hash, b.parent_hash, b.token_ids) for b in cached.blocks])
+        return len(cached.blocks)
+
+    def wait(self, timeout: float) -> None:
+        """Nothing could be scheduled: wait (briefly) for a lookup to finish instead of
+        spinning."""
+        pending = [r.tier_lookup.fetch for r in self._pending if r.tier_lookup is not None]
+        if pending:
+            concurrent.futures.wait(
+                pending, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED
+            )
+
+    def close(self) -> None:
+        """Stop the tier's threads (queued writes are flushed first)."""
+        self.tier.close()

@@ -1,0 +1,1 @@
+"""Device kernels: ``cpu`` (C sources built on first use) and ``triton`` (GPU)."""

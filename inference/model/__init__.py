@@ -1,0 +1,2 @@
+"""The model: configuration, weights, tokenizer, import of the default model, and the forward
+pass over an ops table."""

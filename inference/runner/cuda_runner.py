@@ -1,0 +1,64 @@
+"""The CUDA runner: the KV pool in device memory sized from what the device has free, torch's
+products and norms, and the Triton attention kernels (``inference/kernels/triton``).
+
+This is where a GPU's step work lives: the persistent input buffers are pinned on the host and
+mirrored on the device (``runner/inputs.py``), and the step waits for the device once, after
+the forward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from inference.attention.backends import TorchBackend, TritonBackend
+from inference.config import EngineConfig
+from inference.device import resolve_dtype
+from inference.model.ops import ModelOps, torch_ops
+from inference.runner.base import ModelRunner
+
+# device memory kept out of the KV pool for activations and the allocator's slack
+_ACTIVATION_RESERVE = 2**30
+
+
+def cuda_ops(device: torch.device, backend_name: str) -> ModelOps:
+    """torch's operations around the Triton kernels (or the torch reference, for checks)."""
+    backend = TritonBackend() if backend_name == "triton" else TorchBackend(flash=False)
+    return torch_ops(device, backend, name=f"cuda|attention={backend_name}|torch")
+
+
+class CUDARunner(ModelRunner):
+    kind = "cuda"
+
+    def __init__(self, config: EngineConfig, device: torch.device):
+        super().__init__(config, device)
+
+    def resolve_dtype(self, dtype: str) -> torch.dtype:
+        return resolve_dtype(dtype, self.device)
+
+    def resolve_backend(self, name: str) -> str:
+        if name == "auto":
+            return "triton"
+        if name == "cpu":
+            raise ValueError("the cpu attention backend runs on the CPU")
+        return name
+
+    def make_ops(self) -> ModelOps:
+        return cuda_ops(self.device, self.attention_backend)
+
+    def kv_budget_bytes(self) -> int:
+        """The share ``gpu_memory_utilization`` of the device's memory, less what is in use
+        (the weights, loaded by now) and a reserve for activations."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        return int(total * self.config.gpu_memory_utilization - used - _ACTIVATION_RESERVE)
+
+    def allocate_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+
+    def copy_slots(self, src: int, dst: int, n: int) -> None:
+        for kc, vc in self.kv_caches:
+            kc[dst, :n] = kc[src, :n]
+            vc[dst, :n] = vc[src, :n]
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
