@@ -12,8 +12,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     DOCQA_HOME=/data
 
 WORKDIR /app
-# gcc builds the CPU kernels (inference/csrc: attention, linear layers, element-wise steps) on
-# first use, for the CPU the container runs on; without it the engine takes its torch paths
+# gcc builds the CPU kernels (inference/kernels/cpu/csrc: attention, linear layers, element-wise
+# steps) on first use, for the CPU the container runs on; without it the engine takes torch's
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"

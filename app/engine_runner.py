@@ -3,15 +3,8 @@ event loop submits requests and receives tokens through thread-safe hand-offs, s
 blocks on model work. Concurrent HTTP requests queue in the engine's scheduler and share its
 batches.
 
-A step's new tokens go to the event loop as soon as the step ends. The loop's work on them (a
-server-sent event per answer) then contends with the engine's bookkeeping before the next model
-call for the interpreter lock. Holding them back until the next model call starts, so that the
-loop works while the model's compiled call has released the lock, was measured on a 2-core
-Zen 3 at 16 clients, the two ways alternating every 3 s in one server: the engine's time
-between model calls fell from 3.3 to 1.9 ms a step (decode-only steps, median), and the model
-call grew by 0.6-2.6 ms, as the loop's work took a core from the model's threads: the steps
-were no shorter (median 86.2 against 88.2 ms, mean 89.3 against 88.2), so the hand-off stays
-immediate.
+A step's new tokens go to the event loop as soon as the step ends (holding them back until
+the next model call starts made no step shorter: bench/RESULTS.md, "Service measurements").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Prometheus metrics (CONTRACTS.md, "Metrics"): request histograms observed by the engine
+"""Prometheus metrics (docs/interfaces.md, "Metrics"): request histograms observed by the engine
 thread, engine counters and gauges read at scrape time."""
 
 from __future__ import annotations

@@ -1,7 +1,11 @@
 """Questions about manuals: prompt layout from stored ids, generation on the engine thread,
 answer objects, and storage of each turn. No database session stays open while the model
 generates: reads happen before submission, the turn is written after the answer is complete
-(or cancelled)."""
+(or cancelled).
+
+The service knows nothing of HTTP: it raises ``app.errors`` and yields plain events
+(``TokenText``, ``AnswerDone``, ``AnswerFailed``); the API layer turns them into status codes
+and server-sent events."""
 
 from __future__ import annotations
 
@@ -14,17 +18,17 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
-from litestar.response import Stream
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
-from app.api.errors import ApiError, not_found
-from app.api.schemas import Answer, Timings, Usage
+from app.answer import Answer, Timings, Usage
 from app.db import Conversation, Database, Manual, Message
 from app.db.models import new_id
 from app.engine_runner import Completion, EngineRunner, RequestHandle
+from app.errors import NotFound, ServiceError
+from app.replicas import Peer
 from app.settings import MIN_QUESTION_ROOM, Settings
-from inference.engine.sampler import SamplingParams
+from inference import SamplingParams
 from prompts import BuiltPrompt, PromptLayoutTooLong, Turn
 
 log = logging.getLogger("docqa.qa")
@@ -83,10 +87,29 @@ class IncrementalDecoder:
         return text[len(before) :]
 
 
-def sse(event: str | None, data) -> bytes:
-    payload = data if isinstance(data, bytes) else msgspec.json.encode(data)
-    head = f"event: {event}\n".encode() if event else b""
-    return head + b"data: " + payload + b"\n\n"
+@dataclass(frozen=True)
+class TokenText:
+    """More of the answer's text."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class AnswerDone:
+    """The whole answer object, last."""
+
+    answer: Answer
+
+
+@dataclass(frozen=True)
+class AnswerFailed:
+    """The engine failed the request; nothing more follows."""
+
+    code: str
+    message: str
+
+
+Event = TokenText | AnswerDone | AnswerFailed
 
 
 class QAService:
@@ -112,15 +135,13 @@ class QAService:
                 select(Manual).where(Manual.id == manual_id, Manual.tenant == tenant)
             )
         if m is None:
-            raise not_found("manual", manual_id)
+            raise NotFound("manual", manual_id)
         return m
 
     async def prompt_manual(self, tenant: str, manual_id: str) -> PromptManual:
         """The manual a question is about, for its prompt: one select of the columns a prompt
-        needs, not the whole row through a session; the text is read only for a manual stored
-        under another tokenizer. On SQLite on a 2-core Zen 3 the read took 1.2-1.4 ms of CPU
-        against 2.1-2.3 for the row through a session, and the server's event-loop thread
-        0.3-0.8 ms less a question (3 pairs of 200 warm questions)."""
+        needs, not the whole row through a session (cheaper for the event loop's thread); the
+        text is read only for a manual stored under another tokenizer."""
         where = (Manual.id == manual_id, Manual.tenant == tenant)
         async with self.db.engine.connect() as conn:
             row = (
@@ -129,7 +150,7 @@ class QAService:
                 )
             ).first()
             if row is None:
-                raise not_found("manual", manual_id)
+                raise NotFound("manual", manual_id)
             ids, fingerprint = row
             text = ""
             if fingerprint != self.tokenizer_fingerprint:
@@ -149,7 +170,7 @@ class QAService:
         self.runner.require_ready()
         text = text.strip()
         if not text:
-            raise ApiError(400, "invalid_manual", "the manual has no text")
+            raise ServiceError("invalid_manual", "the manual has no text")
         title = title.strip()[:512] or "untitled"
         digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
         existing = await self._find_manual(tenant, digest)
@@ -162,8 +183,7 @@ class QAService:
         overhead = len(prefix) - len(ids)
         limit = max_len - MIN_QUESTION_ROOM - overhead
         if len(ids) > limit:
-            raise ApiError(
-                400,
+            raise ServiceError(
                 "manual_too_long",
                 f"the manual is {len(ids):,} tokens; with the system instructions ({overhead} "
                 f"tokens) and room for a question and an answer ({MIN_QUESTION_ROOM} tokens) it "
@@ -207,6 +227,15 @@ class QAService:
         seed: int | None,
         ignore_eos: bool = False,
     ) -> SamplingParams:
+        """A question's sampling; ``max_tokens`` defaults to the server's default and may not
+        exceed its cap (``--max-tokens-cap``)."""
+        cap = self.settings.max_tokens_cap
+        if max_tokens is not None and max_tokens > cap:
+            raise ServiceError(
+                "invalid_request",
+                f"max_tokens is {max_tokens:,}; this server answers with at most {cap:,} tokens",
+                cap,
+            )
         return SamplingParams(
             max_tokens=max_tokens or self.settings.default_max_tokens,
             temperature=temperature,
@@ -257,7 +286,7 @@ class QAService:
                 manual_ids=self.manual_prefix(manual),
             )
         except PromptLayoutTooLong as e:
-            raise ApiError(400, "prompt_too_long", str(e), e.limit) from None
+            raise ServiceError("prompt_too_long", str(e), e.limit) from None
 
     def history(self, messages: Sequence[Message]) -> list[Turn]:
         """Earlier (question, answer ids) turns; an answer cut short gets its end-of-turn token
@@ -277,18 +306,15 @@ class QAService:
         return turns
 
     # -- running ----------------------------------------------------------------------------------
-    async def forward(self, job: Job, request) -> object | None:
-        """The response of the replica holding a longer cached prefix of this prompt (or, when
-        none holds any, a less loaded one); None to serve it here."""
+    async def route(self, job: Job) -> Peer | None:
+        """The replica holding a longer cached prefix of this prompt (or, when none holds any,
+        a less loaded one); None to serve it here."""
         reg = self.registry
-        if reg is None or not job.use_cache or reg.is_local_only(request):
+        if reg is None or not job.use_cache:
             return None
         ids = job.prompt.token_ids
         hashes = self.runner.engine.kv_manager.hasher(job.namespace).chain(ids[: len(ids) - 1])
-        peer = await reg.route(hashes)
-        if peer is None:
-            return None
-        return await reg.forward(peer, request)
+        return await reg.route(hashes)
 
     async def submit(self, job: Job) -> tuple[RequestHandle, asyncio.Task]:
         handle = await self.runner.submit(
@@ -390,22 +416,20 @@ class QAService:
             if delta:
                 yield delta
 
-    async def stream(
-        self, handle: RequestHandle, task: asyncio.Task, *, final_event: str = "answer"
-    ) -> AsyncIterator[bytes]:
-        """Native SSE: ``event: token`` with text deltas, then ``event: answer`` with the whole
-        answer object. A client that goes away cancels the request (the task stores the
-        partial answer with finish reason ``cancelled``)."""
+    async def events(self, handle: RequestHandle, task: asyncio.Task) -> AsyncIterator[Event]:
+        """The answer as it grows (``TokenText``, one per engine step that adds text), then
+        ``AnswerDone`` (or ``AnswerFailed``). A consumer that stops early cancels the request
+        (the task stores the partial answer with finish reason ``cancelled``)."""
         try:
             async for delta in self.text_deltas(handle):
-                yield sse("token", {"text": delta})
+                yield TokenText(delta)
             try:
                 answer = await asyncio.shield(task)
             except Exception as e:
                 log.error("request %s failed: %s", handle.request_id, e)
-                yield sse("error", {"error": {"code": "engine_error", "message": str(e)}})
+                yield AnswerFailed("engine_error", str(e))
                 return
-            yield sse(final_event, answer)
+            yield AnswerDone(answer)
         finally:
             if not handle.final.done():
                 handle.cancel()
@@ -457,18 +481,3 @@ class QAService:
                 return tier.status, present * bs
             await self.runner.call(lambda e: e.write_prefix_to_tier(prefix, ns))
         return tier.status, 0
-
-
-class EventStream(Stream):
-    """A ``text/event-stream`` response, whatever media type the handler declares for its JSON
-    answers (Litestar lets the handler's type win over the response's own)."""
-
-    def __init__(self, content, request_id: str | None = None, **kwargs):
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        if request_id:
-            headers["X-Request-Id"] = request_id  # for POST /v1/requests/{id}/cancel
-        super().__init__(content, media_type="text/event-stream", headers=headers, **kwargs)
-
-    def to_asgi_response(self, *args, **kwargs):
-        kwargs["media_type"] = "text/event-stream"
-        return super().to_asgi_response(*args, **kwargs)

@@ -22,12 +22,11 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 import httpx
 import redis.asyncio as aioredis
-from litestar import Request
-from litestar.response import Stream
 
 log = logging.getLogger("docqa.replicas")
 
@@ -49,16 +48,14 @@ class Peer:
     seen: float
 
 
-class ForwardedStream(Stream):
-    """The peer's response, streamed through with its status and media type."""
+@dataclass(frozen=True)
+class Forwarded:
+    """A peer's answer to a forwarded request, its body streamed through as it comes."""
 
-    def __init__(self, content, media_type: str, **kwargs):
-        self._forced_media_type = media_type
-        super().__init__(content, media_type=media_type, **kwargs)
-
-    def to_asgi_response(self, *args, **kwargs):
-        kwargs["media_type"] = self._forced_media_type
-        return super().to_asgi_response(*args, **kwargs)
+    status: int
+    media_type: str
+    headers: dict[str, str]
+    body: AsyncIterator[bytes]
 
 
 def leading_run(flags) -> int:
@@ -226,19 +223,24 @@ class ReplicaRegistry:
                 return idle
         return None
 
-    async def forward(self, peer: Peer, request: Request) -> Stream | None:
-        """Send the request to ``peer`` and stream its answer back; None (after deregistering
-        the peer) when it does not answer, so the caller serves the request itself."""
-        body = await request.body()
-        headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_HEADERS}
-        headers[ROUTE_HEADER] = "local"
-        headers[FORWARDED_FROM_HEADER] = self.id
-        url = peer.url + request.url.path
-        if request.url.query:
-            url += "?" + request.url.query
+    async def forward(
+        self,
+        peer: Peer,
+        method: str,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str],
+    ) -> Forwarded | None:
+        """Send a request (``path`` with its query) to ``peer`` and stream its answer back;
+        None (after deregistering the peer) when it does not answer, so the caller serves the
+        request itself."""
+        passed = {k: v for k, v in headers.items() if k.lower() in _PASSED_HEADERS}
+        passed[ROUTE_HEADER] = "local"
+        passed[FORWARDED_FROM_HEADER] = self.id
+        url = peer.url + path
         try:
             upstream = await self.http.send(
-                self.http.build_request(request.method, url, content=body, headers=headers),
+                self.http.build_request(method, url, content=body, headers=passed),
                 stream=True,
             )
         except httpx.TransportError as e:
@@ -258,14 +260,14 @@ class ReplicaRegistry:
 
         out = {k: upstream.headers[k] for k in _RETURNED_HEADERS if k in upstream.headers}
         out.setdefault(REPLICA_HEADER, peer.id)
-        return ForwardedStream(
+        return Forwarded(
+            upstream.status_code,
+            upstream.headers.get("content-type", "application/json"),
+            out,
             relay(),
-            media_type=upstream.headers.get("content-type", "application/json"),
-            status_code=upstream.status_code,
-            headers=out,
         )
 
-    async def forward_cancel(self, request_id: str, request: Request) -> dict | None:
+    async def forward_cancel(self, request_id: str, headers: Mapping[str, str]) -> dict | None:
         """Cancel a request that runs on another replica (it was forwarded there)."""
         if not self.up:
             return None
@@ -273,7 +275,7 @@ class ReplicaRegistry:
             peers = await self.peers()
         except (aioredis.RedisError, OSError):
             return None
-        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        headers = {k: v for k, v in headers.items() if k.lower() == "authorization"}
         headers[ROUTE_HEADER] = "local"
         for p in peers:
             try:
@@ -286,6 +288,6 @@ class ReplicaRegistry:
                 return r.json()
         return None
 
-    def is_local_only(self, request: Request) -> bool:
-        h = request.headers
-        return h.get(ROUTE_HEADER, "").lower() == "local" or FORWARDED_FROM_HEADER in h
+    def is_local_only(self, headers: Mapping[str, str]) -> bool:
+        """Whether the request must be served here: forwarded already, or asked to stay."""
+        return headers.get(ROUTE_HEADER, "").lower() == "local" or FORWARDED_FROM_HEADER in headers

@@ -1,4 +1,4 @@
-"""Service configuration: environment variables (CONTRACTS.md, "Configuration") plus the
+"""Service configuration: environment variables (the README's "Configuration") plus the
 options of ``docqa serve``."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ the kernel source at git revision REV is built beside the working tree's, and th
 called in turn, repeat by repeat, on the same data (each with the groups it takes: units of up
 to 48 query rows on the float32 register-tiled path, 16 elsewhere in float32); the table gives
 both, their ratio and the largest difference between their outputs. Prints a markdown table;
-nothing is written. """
+nothing is written."""
 
 from __future__ import annotations
 

@@ -58,8 +58,8 @@ def _dtype_record_path() -> Path:
 
 
 def _measure_bf16_against_float32() -> float:
-    """bf16 time over float32 time for the products the model would run (inference/layers.py,
-    Linear): linear.c in float32 against linear_amx.c where the tile unit is ours, else
+    """bf16 time over float32 time for the products the model would run (``CPULinear``):
+    linear.c in float32 against linear_amx.c where the tile unit is ours, else
     linear.c's bf16 panels; torch's where those do not build. The two run in turn, seven times
     each after a warm-up, on one thread timed in its CPU time (other busy processes cannot
     change it); the median of the seven ratios."""

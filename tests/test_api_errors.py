@@ -1,5 +1,5 @@
-"""Bad input over real HTTP: each gets a 4xx with the error body of CONTRACTS.md that says what
-was wrong and the limit, nothing is stored, and the next good request is served normally."""
+"""Bad input over real HTTP: each gets a 4xx with the error body of docs/interfaces.md that says
+what was wrong and the limit, nothing is stored, and the next good request is served normally."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The CPU paged-attention backends against dense float64 attention, and their invariances:
 ``torch`` (the reference: fixed-shape tiles through torch's fused attention) and ``cpu`` (the
-compiled kernels of inference/csrc: in bf16 on AVX512-BF16 every token through
+compiled kernels of inference/kernels/cpu/csrc: in bf16 on AVX512-BF16 every token through
 ``attention_bf16``; otherwise prompt tokens through the reference's tiles and decode tokens
 through ``decode_attention``).
 

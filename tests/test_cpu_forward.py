@@ -1,4 +1,4 @@
-"""The compiled layer loop (inference/cpu_forward.py, csrc/forward.c) against the model's
+"""The compiled layer loop (inference/kernels/cpu/forward.py, csrc/forward.c) against the model's
 Python loop: the same kernels with the same arguments, so the same bits, step after step."""
 
 import pytest

@@ -9,7 +9,7 @@ FP = b"\x01" * 32
 IDS = list(range(100, 148))  # three blocks of 16
 
 # Pinned digest of the last block of IDS: a change here breaks every cache shared between
-# replicas and restarts (CONTRACTS.md, "Prefix hashing").
+# replicas and restarts (docs/interfaces.md, "Prefix hashing").
 GOLDEN_LAST = "348feccbc0d48af4a1ead90804920cd4"
 
 

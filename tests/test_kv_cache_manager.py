@@ -1,6 +1,6 @@
 import pytest
 
-from prefix_store import KVCacheManager, NoFreeBlocksError
+from prefix_store import KVCacheManager, NoFreeBlocksError, hash_block
 
 FP = b"model"
 BS = 4
@@ -202,4 +202,41 @@ def test_copy_source_in_a_full_pool_fails_the_allocation_cleanly():
     mgr.allocate("b", len(b), cached.full_blocks_only())  # without the copy it fits
     assert mgr.block_ids("b")[0] == 0
     mgr.free("b")
+    mgr.check_integrity()
+
+
+def test_a_hold_keeps_its_blocks_out_of_eviction_and_out_of_the_request_table():
+    """A hold (a pin, a second-tier load) references cached blocks like a request does, so
+    allocations take other blocks; a request named like a hold shares nothing with it; fresh
+    blocks taken into a hold are indexed once written, and released tail first."""
+    mgr = _mgr(6)
+    ids = list(range(12))  # three full blocks
+    _run(mgr, "a", ids)
+    mgr.free("a")  # blocks 0-2 cached and free
+    cached = mgr.find_cached_prefix(ids + [0])
+    held = mgr.hold(cached.blocks)
+    assert [b.block_id for b in held.blocks] == [0, 1, 2]
+    assert [b.ref_cnt for b in mgr.pool.blocks] == [1, 1, 1, 0, 0, 0]
+    mgr.check_integrity()
+    # a request whose id looks like a hold's allocates its own blocks, never these
+    mgr.allocate("pin:a", 12)
+    assert mgr.block_ids("pin:a") == [3, 4, 5]
+    with pytest.raises(NoFreeBlocksError):
+        mgr.allocate("b", 4)  # the held blocks are not free
+    mgr.free("pin:a")
+    assert mgr.find_cached_prefix(ids + [0]).num_cached_tokens == 12
+    # fresh blocks into the hold, indexed under a verified hash, then released tail first
+    fresh = mgr.hold_new(held, 1)
+    assert [b.block_id for b in fresh] == [5]  # "pin:a" freed its blocks tail first
+    more = list(range(12, 16))
+    parent = cached.block_hashes[-1]
+    assert mgr.index_block(fresh[0], hash_block(parent, more), parent, tuple(more))
+    with pytest.raises(NoFreeBlocksError):
+        mgr.hold_new(held, 3)  # two free blocks left: nothing taken
+    assert mgr.num_held_blocks == 4
+    mgr.check_integrity()
+    mgr.release(held)
+    assert mgr.num_held_blocks == 0 and mgr.pool.num_free == 6
+    assert [b.block_id for b in mgr.pool.free_queue] == [4, 3, 5, 2, 1, 0]  # tail first
+    assert mgr.find_cached_prefix(ids + more + [0]).num_cached_tokens == 16
     mgr.check_integrity()

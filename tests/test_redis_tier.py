@@ -202,3 +202,31 @@ def test_a_stalled_redis_never_holds_up_the_engine(default_model_dir, prefix, tm
     finally:
         eng.close()
         server.stop()
+
+
+def test_a_request_named_like_a_load_shares_nothing_with_it(default_model_dir, prefix):
+    """A second-tier load takes its blocks under a hold outside the request table: a running
+    request named ``tier:<the loading request's id>`` keeps its own blocks, and both answer as
+    computed cold."""
+    a = _engine(default_model_dir, prefix)
+    b = _engine(default_model_dir, prefix)
+    try:
+        builder = PromptBuilder(a.tokenizer)
+        _run(a, builder.build(MANUAL, QUESTIONS[0]).token_ids, max_tokens=1)
+        assert a.tier.flush().result(30)
+        other = builder.build("A manual of another washer. " * 30, "How?").token_ids
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        named = b.add_request(other, params, request_id="tier:y")
+        b.step()  # admitted: it holds blocks while the load runs
+        loading = b.add_request(builder.build(MANUAL, QUESTIONS[1]).token_ids, params, "y")
+        while not (named.finished and loading.finished):
+            b.step()
+        assert loading.num_tier_cached_tokens > 0
+        for req, ids in ((named, other), (loading, loading.prompt_token_ids)):
+            b.release(req)
+            cold = _run(b, ids, use_cache=False, max_tokens=6)
+            assert req.output_token_ids == cold.output_token_ids, req.request_id
+        b.kv_manager.check_integrity()
+    finally:
+        a.close()
+        b.close()

@@ -12,12 +12,12 @@ from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import SwaggerRenderPlugin
 from litestar.openapi.spec import Components, SecurityScheme
 
-from app.api.conversations import RequestController, question_controllers
+from app.api.conversations import AskController, ConversationController, RequestController
 from app.api.deps import auth_guard, provide_qa, provide_tenant
 from app.api.errors import EXCEPTION_HANDLERS, error_response
 from app.api.manuals import ManualController
-from app.api.openai_compat import openai_controllers
-from app.api.schemas import EngineInfo, QuestionTypes
+from app.api.openai_compat import OpenAIController
+from app.api.schemas import EngineInfo, declare_max_tokens_cap
 from app.db import Database
 from app.engine_runner import EngineRunner
 from app.metrics import CONTENT_TYPE, ServiceMetrics
@@ -153,9 +153,9 @@ def create_app(settings: Settings | None = None, runner: EngineRunner | None = N
             runner,
             routing=settings.routing,
         )
-    types = QuestionTypes(settings.max_tokens_cap)
 
     def on_startup(app: Litestar) -> None:
+        declare_max_tokens_cap(app.openapi_schema, settings.max_tokens_cap)
         if runner.state == "loading" and not runner._thread.is_alive():
             runner.start()
         if qa.registry is not None:
@@ -179,9 +179,10 @@ def create_app(settings: Settings | None = None, runner: EngineRunner | None = N
         path="/v1",
         route_handlers=[
             ManualController,
-            *question_controllers(types),
+            ConversationController,
+            AskController,
             RequestController,
-            *openai_controllers(types),
+            OpenAIController,
             engine_info,
         ],
         guards=[auth_guard],

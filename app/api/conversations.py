@@ -1,5 +1,5 @@
-"""/v1/conversations and /v1/ask: questions about a manual, answered with the answer object of
-CONTRACTS.md (JSON, or SSE with ``stream: true``)."""
+"""/v1/conversations and /v1/ask: questions about a manual, answered with the answer object
+(``app/answer.py``) as JSON, or as server-sent events with ``stream: true``."""
 
 import asyncio
 
@@ -8,20 +8,22 @@ from litestar.params import Parameter
 from sqlalchemy import delete as sa_delete
 from sqlalchemy import func, select
 
-from app.api.errors import ApiError, not_found
+from app.answer import Answer
 from app.api.schemas import (
-    Answer,
+    AskCreate,
     CancelOut,
     ConversationCreate,
     ConversationDetail,
     ConversationList,
     ConversationOut,
+    MessageCreate,
     MessageOut,
-    QuestionTypes,
 )
+from app.api.streaming import EventStream, forwarded, native_sse
 from app.db import Conversation, Manual, Message
 from app.db.models import new_id
-from app.qa import EventStream, Job, QAService
+from app.errors import NotFound, ServiceError
+from app.qa import Job, QAService
 
 
 def _message_out(m: Message) -> MessageOut:
@@ -51,179 +53,168 @@ async def _messages(s, conversation_id: str) -> list[Message]:
 
 def _question(text: str) -> str:
     if not text.strip():
-        raise ApiError(400, "empty_question", "the question is empty")
+        raise ServiceError("empty_question", "the question is empty")
     return text
 
 
 async def _respond(qa: QAService, job: Job, stream: bool, request: Request):
-    forwarded = await qa.forward(job, request)
-    if forwarded is not None:
-        return forwarded
+    relayed = await forwarded(qa, job, request)
+    if relayed is not None:
+        return relayed
     handle, task = await qa.submit(job)
     if stream:
-        return EventStream(qa.stream(handle, task), request_id=job.request_id)
+        return EventStream(native_sse(qa.events(handle, task)), request_id=job.request_id)
     return await task
 
 
-def question_controllers(types: QuestionTypes) -> list[type[Controller]]:
-    MessageCreate = types.MessageCreate  # noqa: N806
-    AskCreate = types.AskCreate  # noqa: N806
+class ConversationController(Controller):
+    path = "/conversations"
+    tags = ["conversations"]
 
-    class ConversationController(Controller):
-        path = "/conversations"
-        tags = ["conversations"]
+    @post("/", summary="Start a conversation about a manual")
+    async def create(self, qa: QAService, tenant: str, data: ConversationCreate) -> ConversationOut:
+        await qa.get_manual(tenant, data.manual_id)
+        conv = Conversation(id=new_id("conv"), tenant=tenant, manual_id=data.manual_id)
+        async with qa.db.transaction() as s:
+            s.add(conv)
+        return ConversationOut(id=conv.id, manual_id=conv.manual_id, created_at=conv.created_at)
 
-        @post("/", summary="Start a conversation about a manual")
-        async def create(
-            self, qa: QAService, tenant: str, data: ConversationCreate
-        ) -> ConversationOut:
-            await qa.get_manual(tenant, data.manual_id)
-            conv = Conversation(id=new_id("conv"), tenant=tenant, manual_id=data.manual_id)
-            async with qa.db.transaction() as s:
-                s.add(conv)
-            return ConversationOut(id=conv.id, manual_id=conv.manual_id, created_at=conv.created_at)
-
-        @get("/", summary="List conversations")
-        async def list_conversations(
-            self,
-            qa: QAService,
-            tenant: str,
-            manual_id: str | None = None,
-            limit: int = Parameter(default=100, ge=1, le=1000),
-            offset: int = Parameter(default=0, ge=0),
-        ) -> ConversationList:
-            counts = (
-                select(Message.conversation_id, func.count().label("n"))
-                .group_by(Message.conversation_id)
-                .subquery()
-            )
-            q = (
-                select(Conversation, func.coalesce(counts.c.n, 0))
-                .outerjoin(counts, counts.c.conversation_id == Conversation.id)
-                .where(Conversation.tenant == tenant)
-            )
-            if manual_id:
-                q = q.where(Conversation.manual_id == manual_id)
-            q = q.order_by(Conversation.created_at, Conversation.id).limit(limit).offset(offset)
-            async with qa.db.session() as s:
-                rows = (await s.execute(q)).all()
-            return ConversationList(
-                items=[
-                    ConversationOut(
-                        id=c.id, manual_id=c.manual_id, created_at=c.created_at, message_count=n
-                    )
-                    for c, n in rows
-                ]
-            )
-
-        @get("/{conversation_id:str}", summary="A conversation with its messages")
-        async def get_conversation(
-            self, qa: QAService, tenant: str, conversation_id: str
-        ) -> ConversationDetail:
-            async with qa.db.session() as s:
-                conv = await s.scalar(select(Conversation).where(*_owned(conversation_id, tenant)))
-                if conv is None:
-                    raise not_found("conversation", conversation_id)
-                msgs = await _messages(s, conv.id)
-            return ConversationDetail(
-                id=conv.id,
-                manual_id=conv.manual_id,
-                created_at=conv.created_at,
-                message_count=len(msgs),
-                messages=[_message_out(m) for m in msgs],
-            )
-
-        @delete("/{conversation_id:str}", summary="Delete a conversation")
-        async def delete_conversation(
-            self, qa: QAService, tenant: str, conversation_id: str
-        ) -> None:
-            async with qa.db.transaction() as s:
-                res = await s.execute(
-                    sa_delete(Conversation).where(*_owned(conversation_id, tenant))
+    @get("/", summary="List conversations")
+    async def list_conversations(
+        self,
+        qa: QAService,
+        tenant: str,
+        manual_id: str | None = None,
+        limit: int = Parameter(default=100, ge=1, le=1000),
+        offset: int = Parameter(default=0, ge=0),
+    ) -> ConversationList:
+        counts = (
+            select(Message.conversation_id, func.count().label("n"))
+            .group_by(Message.conversation_id)
+            .subquery()
+        )
+        q = (
+            select(Conversation, func.coalesce(counts.c.n, 0))
+            .outerjoin(counts, counts.c.conversation_id == Conversation.id)
+            .where(Conversation.tenant == tenant)
+        )
+        if manual_id:
+            q = q.where(Conversation.manual_id == manual_id)
+        q = q.order_by(Conversation.created_at, Conversation.id).limit(limit).offset(offset)
+        async with qa.db.session() as s:
+            rows = (await s.execute(q)).all()
+        return ConversationList(
+            items=[
+                ConversationOut(
+                    id=c.id, manual_id=c.manual_id, created_at=c.created_at, message_count=n
                 )
-                if res.rowcount == 0:
-                    raise not_found("conversation", conversation_id)
-
-        @post(
-            "/{conversation_id:str}/messages",
-            status_code=200,
-            summary="Ask the next question in a conversation",
-            description=(
-                "Returns the answer object; with `stream: true`, SSE `token` events and a final "
-                "`answer` event carrying the answer object."
-            ),
+                for c, n in rows
+            ]
         )
-        async def ask(
-            self,
-            qa: QAService,
-            tenant: str,
-            conversation_id: str,
-            data: MessageCreate,
-            request: Request,
-        ) -> Answer | Response:
-            question = _question(data.content)
-            async with qa.db.session() as s:
-                row = (
-                    await s.execute(
-                        select(Conversation, Manual)
-                        .join(Manual, Manual.id == Conversation.manual_id)
-                        .where(*_owned(conversation_id, tenant))
-                    )
-                ).first()
-                if row is None:
-                    raise not_found("conversation", conversation_id)
-                conv, manual = row
-                msgs = await _messages(s, conv.id)
-            qa.runner.require_ready()
-            params = qa.params(
-                data.max_tokens, data.temperature, data.top_p, data.seed, data.ignore_eos
-            )
-            built = qa.build(manual, question, qa.history(msgs), params.max_tokens)
-            job = Job(
-                request_id=new_id("msg"),
-                prompt=built,
-                params=params,
-                namespace=qa.namespace(tenant),
-                use_cache=data.cache != "bypass",
-                question=question,
-                conversation_id=conv.id,
-                tenant=tenant,
-                warnings=list(built.warnings),
-            )
-            return await _respond(qa, job, data.stream, request)
 
-    class AskController(Controller):
-        path = "/ask"
-        tags = ["questions"]
-
-        @post(
-            "/",
-            status_code=200,
-            summary="One question about a manual, without a conversation",
+    @get("/{conversation_id:str}", summary="A conversation with its messages")
+    async def get_conversation(
+        self, qa: QAService, tenant: str, conversation_id: str
+    ) -> ConversationDetail:
+        async with qa.db.session() as s:
+            conv = await s.scalar(select(Conversation).where(*_owned(conversation_id, tenant)))
+            if conv is None:
+                raise NotFound("conversation", conversation_id)
+            msgs = await _messages(s, conv.id)
+        return ConversationDetail(
+            id=conv.id,
+            manual_id=conv.manual_id,
+            created_at=conv.created_at,
+            message_count=len(msgs),
+            messages=[_message_out(m) for m in msgs],
         )
-        async def ask(
-            self, qa: QAService, tenant: str, data: AskCreate, request: Request
-        ) -> Answer | Response:
-            question = _question(data.question)
-            manual = await qa.prompt_manual(tenant, data.manual_id)
-            qa.runner.require_ready()
-            params = qa.params(
-                data.max_tokens, data.temperature, data.top_p, data.seed, data.ignore_eos
-            )
-            built = qa.build(manual, question, (), params.max_tokens)
-            job = Job(
-                request_id=new_id("msg"),
-                prompt=built,
-                params=params,
-                namespace=qa.namespace(tenant),
-                use_cache=data.cache != "bypass",
-                question=question,
-                tenant=tenant,
-                warnings=list(built.warnings),
-            )
-            return await _respond(qa, job, data.stream, request)
 
-    return [ConversationController, AskController]
+    @delete("/{conversation_id:str}", summary="Delete a conversation")
+    async def delete_conversation(self, qa: QAService, tenant: str, conversation_id: str) -> None:
+        async with qa.db.transaction() as s:
+            res = await s.execute(sa_delete(Conversation).where(*_owned(conversation_id, tenant)))
+            if res.rowcount == 0:
+                raise NotFound("conversation", conversation_id)
+
+    @post(
+        "/{conversation_id:str}/messages",
+        status_code=200,
+        summary="Ask the next question in a conversation",
+        description=(
+            "Returns the answer object; with `stream: true`, SSE `token` events and a final "
+            "`answer` event carrying the answer object."
+        ),
+    )
+    async def ask(
+        self,
+        qa: QAService,
+        tenant: str,
+        conversation_id: str,
+        data: MessageCreate,
+        request: Request,
+    ) -> Answer | Response:
+        question = _question(data.content)
+        async with qa.db.session() as s:
+            row = (
+                await s.execute(
+                    select(Conversation, Manual)
+                    .join(Manual, Manual.id == Conversation.manual_id)
+                    .where(*_owned(conversation_id, tenant))
+                )
+            ).first()
+            if row is None:
+                raise NotFound("conversation", conversation_id)
+            conv, manual = row
+            msgs = await _messages(s, conv.id)
+        qa.runner.require_ready()
+        params = qa.params(
+            data.max_tokens, data.temperature, data.top_p, data.seed, data.ignore_eos
+        )
+        built = qa.build(manual, question, qa.history(msgs), params.max_tokens)
+        job = Job(
+            request_id=new_id("msg"),
+            prompt=built,
+            params=params,
+            namespace=qa.namespace(tenant),
+            use_cache=data.cache != "bypass",
+            question=question,
+            conversation_id=conv.id,
+            tenant=tenant,
+            warnings=list(built.warnings),
+        )
+        return await _respond(qa, job, data.stream, request)
+
+
+class AskController(Controller):
+    path = "/ask"
+    tags = ["questions"]
+
+    @post(
+        "/",
+        status_code=200,
+        summary="One question about a manual, without a conversation",
+    )
+    async def ask(
+        self, qa: QAService, tenant: str, data: AskCreate, request: Request
+    ) -> Answer | Response:
+        question = _question(data.question)
+        manual = await qa.prompt_manual(tenant, data.manual_id)
+        qa.runner.require_ready()
+        params = qa.params(
+            data.max_tokens, data.temperature, data.top_p, data.seed, data.ignore_eos
+        )
+        built = qa.build(manual, question, (), params.max_tokens)
+        job = Job(
+            request_id=new_id("msg"),
+            prompt=built,
+            params=params,
+            namespace=qa.namespace(tenant),
+            use_cache=data.cache != "bypass",
+            question=question,
+            tenant=tenant,
+            warnings=list(built.warnings),
+        )
+        return await _respond(qa, job, data.stream, request)
 
 
 class RequestController(Controller):
@@ -238,12 +229,13 @@ class RequestController(Controller):
         conversation turn is stored with finish reason ``cancelled``. A request forwarded to
         another replica is cancelled there."""
         handle = qa.runner.find(request_id)
-        if handle is None and qa.registry is not None and not qa.registry.is_local_only(request):
-            remote = await qa.registry.forward_cancel(request_id, request)
+        reg = qa.registry
+        if handle is None and reg is not None and not reg.is_local_only(request.headers):
+            remote = await reg.forward_cancel(request_id, request.headers)
             if remote is not None:
                 return CancelOut(**remote)
         if handle is None or handle.owner != tenant:
-            raise ApiError(404, "request_not_found", f"no running request with id {request_id!r}")
+            raise NotFound("request", request_id)
         handle.cancel()
         done = await asyncio.shield(handle.final)
         return CancelOut(

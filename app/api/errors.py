@@ -1,5 +1,6 @@
-"""Error bodies (CONTRACTS.md, "Errors"): ``{"error": {"code", "message", "limit"}}``, for every
-4xx and 5xx, with no traceback ever reaching the client."""
+"""Error bodies: ``{"error": {"code", "message", "limit"}}`` for every 4xx and 5xx, the message
+saying what was wrong and the limit where one applies; no traceback ever reaches the client.
+The service's own errors (``app/errors.py``) and the engine's map to status codes here."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from litestar.exceptions import HTTPException, ValidationException
 from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 
 from app.engine_runner import EngineFailure, EngineNotReady, EngineSaturated
+from app.errors import NotFound
 from app.manual_text import ManualError, UnsupportedManualType
 from inference.errors import DocqaError, PromptTooLongError
 
@@ -32,10 +34,6 @@ class ApiError(Exception):
         self.message = message
         self.limit = limit
         self.headers = headers or {}
-
-
-def not_found(kind: str, id_: str) -> ApiError:
-    return ApiError(404, f"{kind}_not_found", f"no {kind} with id {id_!r}")
 
 
 def error_response(
@@ -102,6 +100,8 @@ def _http(request: Request, exc: HTTPException) -> Response:
 
 
 def _docqa(_req: Request, exc: DocqaError) -> Response:
+    if isinstance(exc, NotFound):
+        return error_response(404, exc.code, str(exc))
     if isinstance(exc, EngineNotReady):
         return error_response(503, exc.code, str(exc), headers={"Retry-After": "5"})
     if isinstance(exc, EngineSaturated):

@@ -20,9 +20,10 @@ from litestar.params import Parameter
 from sqlalchemy import delete as sa_delete
 from sqlalchemy import select
 
-from app.api.errors import ApiError, not_found
+from app.api.errors import ApiError
 from app.api.schemas import ManualCreate, ManualDetail, ManualList, ManualOut, PinOut, WarmOut
 from app.db import Manual
+from app.errors import NotFound
 from app.manual_text import extract_manual_text, manual_kind
 from app.qa import QAService
 
@@ -166,7 +167,7 @@ class ManualController(Controller):
                 sa_delete(Manual).where(Manual.id == manual_id, Manual.tenant == tenant)
             )
             if res.rowcount == 0:
-                raise not_found("manual", manual_id)
+                raise NotFound("manual", manual_id)
         await qa.unpin(tenant, manual_id)
 
     @post("/{manual_id:str}/warm", status_code=200, summary="Prefill the manual into the cache")

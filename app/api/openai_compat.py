@@ -12,9 +12,10 @@ import uuid
 import msgspec
 from litestar import Controller, Request, Response, get, post
 
-from app.api.errors import ApiError
-from app.api.schemas import ChatMessage, ModelCard, ModelList, QuestionTypes
-from app.qa import EventStream, Job, QAService, sse
+from app.api.schemas import ChatCompletionCreate, ChatMessage, ModelCard, ModelList
+from app.api.streaming import EventStream, error_body, forwarded, sse
+from app.errors import NotFound, ServiceError
+from app.qa import AnswerDone, AnswerFailed, Job, QAService, TokenText
 from prompts import BuiltPrompt, Turn
 
 _FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
@@ -28,8 +29,7 @@ def _text(m: ChatMessage) -> str:
     parts = []
     for p in m.content:
         if p.type != "text":
-            raise ApiError(
-                400,
+            raise ServiceError(
                 "unsupported_content",
                 f"content parts of type {p.type!r} are not supported; send text",
             )
@@ -37,158 +37,149 @@ def _text(m: ChatMessage) -> str:
     return "".join(parts)
 
 
-def openai_controllers(types: QuestionTypes) -> list[type[Controller]]:
-    ChatCompletionCreate = types.ChatCompletionCreate  # noqa: N806
+class OpenAIController(Controller):
+    path = "/"
+    tags = ["openai"]
 
-    class OpenAIController(Controller):
-        path = "/"
-        tags = ["openai"]
+    @get("/models", summary="Models served (OpenAI shape)")
+    async def models(self, qa: QAService) -> ModelList:
+        qa.runner.require_ready()
+        return ModelList(
+            data=[ModelCard(id=qa.runner.model_name, created=int(qa.runner.started_at))]
+        )
 
-        @get("/models", summary="Models served (OpenAI shape)")
-        async def models(self, qa: QAService) -> ModelList:
-            qa.runner.require_ready()
-            return ModelList(
-                data=[ModelCard(id=qa.runner.model_name, created=int(qa.runner.started_at))]
+    @post("/chat/completions", status_code=200, summary="Chat completion (OpenAI shape)")
+    async def chat(
+        self, qa: QAService, tenant: str, data: ChatCompletionCreate, request: Request
+    ) -> Response:
+        runner = qa.runner
+        runner.require_ready()
+        if data.model and data.model != runner.model_name:
+            raise NotFound(
+                "model",
+                data.model,
+                f"model {data.model!r} is not served here; this server serves "
+                f"{runner.model_name!r} (GET /v1/models)",
             )
-
-        @post("/chat/completions", status_code=200, summary="Chat completion (OpenAI shape)")
-        async def chat(
-            self, qa: QAService, tenant: str, data: ChatCompletionCreate, request: Request
-        ) -> Response:
-            runner = qa.runner
-            runner.require_ready()
-            if data.model and data.model != runner.model_name:
-                raise ApiError(
-                    404,
-                    "model_not_found",
-                    f"model {data.model!r} is not served here; this server serves "
-                    f"{runner.model_name!r} (GET /v1/models)",
-                )
-            max_tokens = data.max_completion_tokens or data.max_tokens
-            params = qa.params(max_tokens, data.temperature, data.top_p, data.seed, data.ignore_eos)
-            msgs = [
-                (("system" if m.role == "developer" else m.role), _text(m)) for m in data.messages
-            ]
-            if msgs[-1][0] != "user" or not msgs[-1][1].strip():
-                raise ApiError(
-                    400, "invalid_request", "the last message must be a non-empty user message"
-                )
-            warnings: list[str] = []
-            if data.manual_id:
-                manual = await qa.prompt_manual(tenant, data.manual_id)
-                if any(r == "system" for r, _ in msgs):
-                    warnings.append(
-                        "system messages are ignored with manual_id: "
-                        "the manual's system prefix is used"
-                    )
-                turns, pending = [], None
-                eot = runner.builder.end_of_turn_id()
-                tok = runner.engine.tokenizer
-                for role, text in msgs[:-1]:
-                    if role == "user":
-                        pending = text
-                    elif role == "assistant" and pending is not None:
-                        turns.append(Turn(pending, tok.encode(text.strip()) + [eot]))
-                        pending = None
-                built = qa.build(manual, msgs[-1][1], turns, params.max_tokens)
-                warnings += built.warnings
-            else:
-                ids = runner.builder.chat_ids(msgs)
-                limit = runner.engine.max_model_len
-                if len(ids) + params.max_tokens > limit:
-                    raise ApiError(
-                        400,
-                        "prompt_too_long",
-                        f"the messages are {len(ids):,} tokens plus max_tokens "
-                        f"{params.max_tokens:,}; "
-                        f"this model's context is {limit:,} tokens",
-                        limit,
-                    )
-                built = BuiltPrompt(ids, 0, 0, 0)
-            job = Job(
-                request_id=f"chatcmpl-{uuid.uuid4().hex}",
-                prompt=built,
-                params=params,
-                namespace=qa.namespace(tenant),
-                use_cache=data.cache != "bypass",
-                question=msgs[-1][1],
-                tenant=tenant,
-                warnings=warnings,
+        max_tokens = data.max_completion_tokens or data.max_tokens
+        params = qa.params(max_tokens, data.temperature, data.top_p, data.seed, data.ignore_eos)
+        msgs = [(("system" if m.role == "developer" else m.role), _text(m)) for m in data.messages]
+        if msgs[-1][0] != "user" or not msgs[-1][1].strip():
+            raise ServiceError(
+                "invalid_request", "the last message must be a non-empty user message"
             )
-            forwarded = await qa.forward(job, request)
-            if forwarded is not None:
-                return forwarded
-            handle, task = await qa.submit(job)
-            created = int(time.time())
-            model = runner.model_name
-            if not data.stream:
-                a = await task
-                body = {
+        warnings: list[str] = []
+        if data.manual_id:
+            manual = await qa.prompt_manual(tenant, data.manual_id)
+            if any(r == "system" for r, _ in msgs):
+                warnings.append(
+                    "system messages are ignored with manual_id: the manual's system prefix is used"
+                )
+            turns, pending = [], None
+            eot = runner.builder.end_of_turn_id()
+            tok = runner.engine.tokenizer
+            for role, text in msgs[:-1]:
+                if role == "user":
+                    pending = text
+                elif role == "assistant" and pending is not None:
+                    turns.append(Turn(pending, tok.encode(text.strip()) + [eot]))
+                    pending = None
+            built = qa.build(manual, msgs[-1][1], turns, params.max_tokens)
+            warnings += built.warnings
+        else:
+            ids = runner.builder.chat_ids(msgs)
+            limit = runner.engine.max_model_len
+            if len(ids) + params.max_tokens > limit:
+                raise ServiceError(
+                    "prompt_too_long",
+                    f"the messages are {len(ids):,} tokens plus max_tokens "
+                    f"{params.max_tokens:,}; "
+                    f"this model's context is {limit:,} tokens",
+                    limit,
+                )
+            built = BuiltPrompt(ids, 0, 0, 0)
+        job = Job(
+            request_id=f"chatcmpl-{uuid.uuid4().hex}",
+            prompt=built,
+            params=params,
+            namespace=qa.namespace(tenant),
+            use_cache=data.cache != "bypass",
+            question=msgs[-1][1],
+            tenant=tenant,
+            warnings=warnings,
+        )
+        relayed = await forwarded(qa, job, request)
+        if relayed is not None:
+            return relayed
+        handle, task = await qa.submit(job)
+        created = int(time.time())
+        model = runner.model_name
+        if not data.stream:
+            a = await task
+            body = {
+                "id": job.request_id,
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": a.answer},
+                        "finish_reason": _FINISH.get(a.finish_reason, "stop"),
+                    }
+                ],
+                "usage": _usage(a),
+                "timings": msgspec.to_builtins(a.timings),
+                "warnings": a.warnings,
+            }
+            return Response(body)
+        include_usage = bool(data.stream_options and data.stream_options.include_usage)
+
+        async def chunks():
+            def chunk(delta, finish=None, **extra):
+                c = {
                     "id": job.request_id,
-                    "object": "chat.completion",
+                    "object": "chat.completion.chunk",
                     "created": created,
                     "model": model,
-                    "choices": [
-                        {
-                            "index": 0,
-                            "message": {"role": "assistant", "content": a.answer},
-                            "finish_reason": _FINISH.get(a.finish_reason, "stop"),
-                        }
-                    ],
-                    "usage": _usage(a),
-                    "timings": msgspec.to_builtins(a.timings),
-                    "warnings": a.warnings,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
                 }
-                return Response(body)
-            include_usage = bool(data.stream_options and data.stream_options.include_usage)
+                c.update(extra)
+                return sse(None, c)
 
-            async def chunks():
-                def chunk(delta, finish=None, **extra):
-                    c = {
-                        "id": job.request_id,
-                        "object": "chat.completion.chunk",
-                        "created": created,
-                        "model": model,
-                        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-                    }
-                    c.update(extra)
-                    return sse(None, c)
-
-                try:
-                    yield chunk({"role": "assistant", "content": ""})
-                    async for delta in qa.text_deltas(handle):
-                        yield chunk({"content": delta})
-                    try:
-                        a = await task
-                    except Exception as e:
-                        yield sse(None, {"error": {"code": "engine_error", "message": str(e)}})
+            events = qa.events(handle, task)
+            try:
+                yield chunk({"role": "assistant", "content": ""})
+                async for ev in events:
+                    if isinstance(ev, TokenText):
+                        yield chunk({"content": ev.text})
+                    elif isinstance(ev, AnswerFailed):
+                        yield sse(None, error_body(ev.code, ev.message))
                         return
-                    yield chunk(
-                        {},
-                        _FINISH.get(a.finish_reason, "stop"),
-                        timings=msgspec.to_builtins(a.timings),
-                    )
-                    if include_usage:
-                        yield sse(
-                            None,
-                            {
-                                "id": job.request_id,
-                                "object": "chat.completion.chunk",
-                                "created": created,
-                                "model": model,
-                                "choices": [],
-                                "usage": _usage(a),
-                                "timings": msgspec.to_builtins(a.timings),
-                            },
-                        )
-                    yield b"data: [DONE]\n\n"
-                finally:
-                    if not handle.final.done():
-                        handle.cancel()
+                    elif isinstance(ev, AnswerDone):
+                        a = ev.answer
+                        timings = msgspec.to_builtins(a.timings)
+                        yield chunk({}, _FINISH.get(a.finish_reason, "stop"), timings=timings)
+                        if include_usage:
+                            yield sse(
+                                None,
+                                {
+                                    "id": job.request_id,
+                                    "object": "chat.completion.chunk",
+                                    "created": created,
+                                    "model": model,
+                                    "choices": [],
+                                    "usage": _usage(a),
+                                    "timings": timings,
+                                },
+                            )
+                yield b"data: [DONE]\n\n"
+            finally:  # a client gone: the request is cancelled
+                await events.aclose()
+                if not handle.final.done():
+                    handle.cancel()
 
-            return EventStream(chunks(), request_id=job.request_id)
-
-    return [OpenAIController]
+        return EventStream(chunks(), request_id=job.request_id)
 
 
 def _usage(a) -> dict:

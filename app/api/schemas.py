@@ -1,10 +1,12 @@
-"""Request and response bodies (msgspec structs). Bounds that depend on configuration (the
-``max_tokens`` cap) are declared in the schema by building the question bodies per app."""
+"""Request and response bodies (msgspec structs). The ``max_tokens`` cap is the server's
+setting: the service checks it, and ``declare_max_tokens_cap`` writes it into the OpenAPI
+schema as each such field's maximum."""
 
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
 import msgspec
+from litestar.openapi.spec import OpenAPI, OpenAPIType
 from msgspec import Meta, Struct
 
 MAX_TITLE_CHARS = 512
@@ -96,34 +98,6 @@ class ConversationList(Struct):
     items: list[ConversationOut]
 
 
-# -- answers (CONTRACTS.md, "The answer object") --------------------------------------------
-class Usage(Struct):
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    cached_tokens_by_tier: dict[str, int]
-
-
-class Timings(Struct):
-    queue_ms: float
-    ttft_ms: float
-    prefill_ms: float
-    decode_ms: float
-    tpot_ms: float
-    e2e_ms: float
-    ttft_saved_ms: float
-
-
-class Answer(Struct):
-    id: str
-    conversation_id: str | None
-    answer: str
-    finish_reason: str
-    usage: Usage
-    timings: Timings
-    warnings: list[str]
-
-
 # -- engine ----------------------------------------------------------------------------------------
 class EngineInfo(Struct):
     model: str
@@ -202,48 +176,59 @@ class ModelList(Struct):
     object: str = "list"
 
 
-class QuestionTypes:
-    """The bodies that carry ``max_tokens``, with the configured cap in their schema."""
+# -- questions -------------------------------------------------------------------------------------
+MaxTokens = Annotated[
+    int, Meta(ge=1, description="answer length in tokens, at most the server's cap")
+]
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+Question = Annotated[str, Meta(min_length=1, max_length=MAX_QUESTION_CHARS)]
+MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens")
 
-    def __init__(self, cap: int):
-        MaxTokens = Annotated[  # noqa: N806
-            int, Meta(ge=1, le=cap, description=f"answer length in tokens, at most {cap}")
-        ]
-        Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]  # noqa: N806
-        TopP = Annotated[float, Meta(gt=0.0, le=1.0)]  # noqa: N806
-        Question = Annotated[str, Meta(min_length=1, max_length=MAX_QUESTION_CHARS)]  # noqa: N806
 
-        class AnswerOptions(Struct, forbid_unknown_fields=True, kw_only=True):
-            stream: bool = False
-            max_tokens: MaxTokens | None = None
-            temperature: Temperature = 0.0
-            top_p: TopP = 1.0
-            seed: int | None = None
-            cache: CacheMode = "default"
-            ignore_eos: bool = False
+class AnswerOptions(Struct, forbid_unknown_fields=True, kw_only=True):
+    stream: bool = False
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature = 0.0
+    top_p: TopP = 1.0
+    seed: int | None = None
+    cache: CacheMode = "default"
+    ignore_eos: bool = False
 
-        class MessageCreate(AnswerOptions, kw_only=True):
-            content: Question
 
-        class AskCreate(AnswerOptions, kw_only=True):
-            manual_id: str
-            question: Question
+class MessageCreate(AnswerOptions, kw_only=True):
+    content: Question
 
-        class ChatCompletionCreate(Struct):
-            messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-            model: str | None = None
-            max_tokens: MaxTokens | None = None
-            max_completion_tokens: MaxTokens | None = None
-            temperature: Temperature = 1.0
-            top_p: TopP = 1.0
-            seed: int | None = None
-            n: Annotated[int, Meta(ge=1, le=1)] = 1
-            stream: bool = False
-            stream_options: StreamOptions | None = None
-            manual_id: str | None = None
-            cache: CacheMode = "default"
-            ignore_eos: bool = False
 
-        self.MessageCreate = MessageCreate
-        self.AskCreate = AskCreate
-        self.ChatCompletionCreate = ChatCompletionCreate
+class AskCreate(AnswerOptions, kw_only=True):
+    manual_id: str
+    question: Question
+
+
+class ChatCompletionCreate(Struct):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    model: str | None = None
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    seed: int | None = None
+    n: Annotated[int, Meta(ge=1, le=1)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    manual_id: str | None = None
+    cache: CacheMode = "default"
+    ignore_eos: bool = False
+
+
+def declare_max_tokens_cap(openapi: OpenAPI, cap: int) -> None:
+    """Write the server's ``max_tokens`` cap into the schema: the maximum and description of
+    every such integer field of the request bodies."""
+    for schema in (openapi.components.schemas or {}).values():
+        for name, prop in (schema.properties or {}).items():
+            if name not in MAX_TOKENS_FIELDS:
+                continue
+            prop.description = f"answer length in tokens, at most {cap}"
+            for option in [prop, *(getattr(prop, "one_of", None) or [])]:
+                if getattr(option, "type", None) == OpenAPIType.INTEGER:
+                    option.maximum = cap

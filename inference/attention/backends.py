@@ -68,8 +68,8 @@ def _prompt_groups(n: int, per: int, full: bool) -> list[tuple[int, int]]:
     (first, count) each. ``full``: groups of ``per`` tokens and one of the rest, for the bf16
     kernel, whose units take their query rows 16 at a time: a unit of ``per`` tokens fills
     its blocks of rows (a 36-token question in groups of 16, 16 and 4 tokens has 21 blocks of
-    16 rows to compute over its context where groups of 12 had 27; 0.83-0.85x the time on a
-    Zen 5). Else as few groups as ``per`` allows, of even sizes."""
+    16 rows to compute over its context where groups of 12 had 27). Else as few groups as
+    ``per`` allows, of even sizes."""
     if full:
         return [(c, min(per, n - c)) for c in range(0, n, per)]
     parts = -(-n // per)
@@ -314,9 +314,3 @@ class TritonBackend:
             )
             out.index_copy_(0, p["pre_rows"], o)
         return out
-
-
-def make_backend(name: str) -> TorchBackend | CPUBackend | TritonBackend:
-    if name == "triton":
-        return TritonBackend()
-    return CPUBackend() if name == "cpu" else TorchBackend()

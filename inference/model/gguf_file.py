@@ -1,11 +1,10 @@
 """A GGUF file's metadata and tensor table, read in one pass over its header.
 
-``gguf.GGUFReader`` builds a numpy view for every part of every field; for a tokenizer of 49,152
-tokens and as many merges that took 2.3 s of the default model's 7 s import (this: 0.08 s,
-the import 4.3 s, the files it writes the same bytes). This reads the
-same header (GGUF versions 2 and 3, little-endian) with ``struct`` and returns plain Python
-values: what ``ReaderField.contents()`` gives for each field, and each tensor's name, type,
-shape and bytes (a read-only view of the file, mapped).
+``gguf.GGUFReader`` builds a numpy view for every part of every field, which for a tokenizer of
+49,152 tokens and as many merges is most of an import's time (bench/RESULTS.md, "Service
+measurements"). This reads the same header (GGUF versions 2 and 3, little-endian) with
+``struct`` and returns plain Python values: what ``ReaderField.contents()`` gives for each
+field, and each tensor's name, type, shape and bytes (a read-only view of the file, mapped).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
  *   - docqa_attention_bf16: every token of a step, prompt and decode, in bf16 products with
  *     float32 sums on AVX512-BF16 (the second part of this file).
  *
- * Layout (CONTRACTS.md, "Paged KV layout and kernels"): k_cache/v_cache are
+ * Layout (docs/interfaces.md, "Paged KV layout"): k_cache/v_cache are
  * [num_blocks, block_size, num_kv_heads, head_dim]; a token's block table row lists its blocks.
  *
  * Each query row (one query head of one token) walks its context from key 0 in rounds of ROUND

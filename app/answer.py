@@ -1,0 +1,45 @@
+"""The answer object every question endpoint returns (``/v1/ask``, a conversation's next turn,
+the final server-sent event of a streamed answer).
+
+- ``usage.cached_tokens`` is always present, 0 included: prompt tokens whose KV was reused
+  (device pool plus Redis); ``prompt_tokens - cached_tokens`` tokens were computed.
+- ``timings``, in milliseconds, measured by the engine: ``queue_ms`` arrival to first
+  scheduled; ``ttft_ms`` arrival to first token sampled; ``prefill_ms`` time spent computing
+  this request's prompt chunks; ``decode_ms`` first token to last; ``tpot_ms`` =
+  decode_ms / (completion_tokens - 1), 0 when completion_tokens <= 1; ``e2e_ms`` arrival to
+  finish; ``ttft_saved_ms`` = fit(prompt_tokens, context 0) - fit(computed tokens, context
+  cached_tokens), where fit is the engine's prefill cost model, learned online from the
+  prefill chunks it has run (0 until fitted).
+- ``warnings``: prompt-linter findings and notes such as dropped history turns.
+"""
+
+from __future__ import annotations
+
+from msgspec import Struct
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    cached_tokens_by_tier: dict[str, int]
+
+
+class Timings(Struct):
+    queue_ms: float
+    ttft_ms: float
+    prefill_ms: float
+    decode_ms: float
+    tpot_ms: float
+    e2e_ms: float
+    ttft_saved_ms: float
+
+
+class Answer(Struct):
+    id: str
+    conversation_id: str | None
+    answer: str
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+    warnings: list[str]

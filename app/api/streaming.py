@@ -1,0 +1,82 @@
+"""Server-sent events and streamed responses: the service's answer events as the native SSE
+stream, and a peer replica's response relayed through."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import msgspec
+from litestar import Request
+from litestar.response import Stream
+
+from app.qa import AnswerDone, AnswerFailed, Event, Job, QAService, TokenText
+from app.replicas import Forwarded
+
+
+def sse(event: str | None, data) -> bytes:
+    """One server-sent event: ``event:`` (when named), then ``data:`` with JSON (or bytes)."""
+    payload = data if isinstance(data, bytes) else msgspec.json.encode(data)
+    head = f"event: {event}\n".encode() if event else b""
+    return head + b"data: " + payload + b"\n\n"
+
+
+def error_body(code: str, message: str) -> dict:
+    return {"error": {"code": code, "message": message}}
+
+
+async def native_sse(events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+    """``event: token`` with ``{"text"}`` deltas, then ``event: answer`` with the whole answer
+    object (``event: error`` with the error body when the engine failed the request). Closing
+    this stream (a client gone) closes ``events`` at once, which cancels the request."""
+    async with contextlib.aclosing(events):
+        async for ev in events:
+            if isinstance(ev, TokenText):
+                yield sse("token", {"text": ev.text})
+            elif isinstance(ev, AnswerDone):
+                yield sse("answer", ev.answer)
+            elif isinstance(ev, AnswerFailed):
+                yield sse("error", error_body(ev.code, ev.message))
+
+
+class EventStream(Stream):
+    """A ``text/event-stream`` response, whatever media type the handler declares for its JSON
+    answers (Litestar lets the handler's type win over the response's own)."""
+
+    def __init__(self, content, request_id: str | None = None, **kwargs):
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        if request_id:
+            headers["X-Request-Id"] = request_id  # for POST /v1/requests/{id}/cancel
+        super().__init__(content, media_type="text/event-stream", headers=headers, **kwargs)
+
+    def to_asgi_response(self, *args, **kwargs):
+        kwargs["media_type"] = "text/event-stream"
+        return super().to_asgi_response(*args, **kwargs)
+
+
+class ForwardedStream(Stream):
+    """A peer replica's response, streamed through with its status and media type."""
+
+    def __init__(self, fwd: Forwarded):
+        self._forced_media_type = fwd.media_type
+        super().__init__(
+            fwd.body, media_type=fwd.media_type, status_code=fwd.status, headers=fwd.headers
+        )
+
+    def to_asgi_response(self, *args, **kwargs):
+        kwargs["media_type"] = self._forced_media_type
+        return super().to_asgi_response(*args, **kwargs)
+
+
+async def forwarded(qa: QAService, job: Job, request: Request) -> ForwardedStream | None:
+    """The answer of the replica that holds a longer cached prefix of the job's prompt (the
+    request relayed there as it came); None to serve it here."""
+    reg = qa.registry
+    if reg is None or reg.is_local_only(request.headers):
+        return None
+    peer = await qa.route(job)
+    if peer is None:
+        return None
+    path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    fwd = await reg.forward(peer, request.method, path, await request.body(), request.headers)
+    return ForwardedStream(fwd) if fwd is not None else None
