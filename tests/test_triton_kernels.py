@@ -218,3 +218,29 @@ def test_gpu_bench_dry_run_starts(tmp_path):
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "paged_decode_attention" in r.stdout and out.is_file()
+
+
+def test_the_cuda_ops_table_matches_the_cpu_one(tiny_model_dir):
+    """The GPU's ops table (torch's products and norms around the Triton kernels), run here on
+    the CPU under the interpreter, gives the CPU table's logits within float32 rounding, for a
+    prompt and the decode step after it."""
+    from inference.attention.metadata import AttentionMetadata
+    from inference.model.llama import LlamaModel
+    from inference.runner.cpu_runner import cpu_ops
+    from inference.runner.cuda_runner import cuda_ops
+
+    cpu = torch.device("cpu")
+    outs = []
+    for ops in (cuda_ops(cpu, "triton"), cpu_ops(torch.float32, torch.float32, "torch", 64)):
+        model = LlamaModel.from_pretrained(tiny_model_dir, torch.float32, ops)
+        cfg = model.cfg
+        shape = (4, 16, cfg.num_kv_heads, cfg.head_dim)
+        kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
+        ids = list(range(200, 237))
+        meta = AttentionMetadata.build([[3, 0, 2]], [37], [37], 16)
+        first = model.forward(torch.tensor(ids), torch.arange(37), meta, kv, torch.tensor([36]))
+        meta = AttentionMetadata.build([[3, 0, 2]], [38], [1], 16, is_decode=[True])
+        nxt = torch.tensor([int(first.argmax())])
+        second = model.forward(nxt, torch.tensor([37]), meta, kv, torch.tensor([0]))
+        outs.append(torch.cat([first, second]))
+    assert rel_err(outs[0], outs[1]) < 1e-5

@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from inference.attention.backends import TorchBackend, TritonBackend
-from inference.config import EngineConfig
 from inference.device import resolve_dtype
 from inference.model.ops import ModelOps, torch_ops
 from inference.runner.base import ModelRunner
@@ -28,9 +27,6 @@ def cuda_ops(device: torch.device, backend_name: str) -> ModelOps:
 
 class CUDARunner(ModelRunner):
     kind = "cuda"
-
-    def __init__(self, config: EngineConfig, device: torch.device):
-        super().__init__(config, device)
 
     def resolve_dtype(self, dtype: str) -> torch.dtype:
         return resolve_dtype(dtype, self.device)
