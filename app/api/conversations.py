@@ -57,6 +57,25 @@ def _question(text: str) -> str:
     return text
 
 
+def _job(qa: QAService, tenant: str, data, manual, question, history, conversation_id) -> Job:
+    """A question's job: its sampling (``data``'s answer options), its prompt after ``history``
+    (earlier turns), the tenant's cache namespace."""
+    qa.runner.require_ready()
+    params = qa.params(data.max_tokens, data.temperature, data.top_p, data.seed, data.ignore_eos)
+    built = qa.build(manual, question, history, params.max_tokens)
+    return Job(
+        request_id=new_id("msg"),
+        prompt=built,
+        params=params,
+        namespace=qa.namespace(tenant),
+        use_cache=data.cache != "bypass",
+        question=question,
+        conversation_id=conversation_id,
+        tenant=tenant,
+        warnings=list(built.warnings),
+    )
+
+
 async def _respond(qa: QAService, job: Job, stream: bool, request: Request):
     relayed = await forwarded(qa, job, request)
     if relayed is not None:
@@ -166,22 +185,7 @@ class ConversationController(Controller):
                 raise NotFound("conversation", conversation_id)
             conv, manual = row
             msgs = await _messages(s, conv.id)
-        qa.runner.require_ready()
-        params = qa.params(
-            data.max_tokens, data.temperature, data.top_p, data.seed, data.ignore_eos
-        )
-        built = qa.build(manual, question, qa.history(msgs), params.max_tokens)
-        job = Job(
-            request_id=new_id("msg"),
-            prompt=built,
-            params=params,
-            namespace=qa.namespace(tenant),
-            use_cache=data.cache != "bypass",
-            question=question,
-            conversation_id=conv.id,
-            tenant=tenant,
-            warnings=list(built.warnings),
-        )
+        job = _job(qa, tenant, data, manual, question, qa.history(msgs), conv.id)
         return await _respond(qa, job, data.stream, request)
 
 
@@ -199,21 +203,7 @@ class AskController(Controller):
     ) -> Answer | Response:
         question = _question(data.question)
         manual = await qa.prompt_manual(tenant, data.manual_id)
-        qa.runner.require_ready()
-        params = qa.params(
-            data.max_tokens, data.temperature, data.top_p, data.seed, data.ignore_eos
-        )
-        built = qa.build(manual, question, (), params.max_tokens)
-        job = Job(
-            request_id=new_id("msg"),
-            prompt=built,
-            params=params,
-            namespace=qa.namespace(tenant),
-            use_cache=data.cache != "bypass",
-            question=question,
-            tenant=tenant,
-            warnings=list(built.warnings),
-        )
+        job = _job(qa, tenant, data, manual, question, (), None)
         return await _respond(qa, job, data.stream, request)
 
 

@@ -134,9 +134,9 @@ class LlamaModel:
 
     def compute_signature(self) -> str:
         """What computes this model's KV bits besides its weights and dtypes: the ops table's
-        name and the kernels of its linear layers (part of the model fingerprint)."""
+        name and mode, and the kernels of its linear layers (part of the model fingerprint)."""
         kinds = sorted({lin.kind for lin in self.linears()})
-        return f"{self.ops.name}|linear={','.join(kinds)}"
+        return f"{self.ops.name}|mode={self.ops.mode}|linear={','.join(kinds)}"
 
     # -- forward ------------------------------------------------------------------------------
     def layer_loop(self, kv_caches):

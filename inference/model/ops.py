@@ -56,9 +56,11 @@ class ModelOps:
     # returning the last layer's MLP output), or None; None here: the device has none
     layer_loop: Callable[[Any, list], Any] | None = None
     # what decides the KV bits besides the weights and dtypes (device, attention, fused
-    # steps, mode): part of the model fingerprint, so KV computed one way is never served to
-    # an engine computing another
+    # steps): part of the model fingerprint, so KV computed one way is never served to an
+    # engine computing another
     name: str = ""
+    # a table's variant for one device (a batch-invariant one, say); in the fingerprint too
+    mode: str = "default"
 
 
 def torch_add_rms_norm(h, delta, weight, eps):

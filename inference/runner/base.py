@@ -43,8 +43,6 @@ class ModelRunner:
     Subclasses provide ``resolve_dtype``, ``resolve_backend``, ``make_ops``,
     ``kv_budget_bytes``, ``allocate_cache``, ``copy_slots`` and ``synchronize``."""
 
-    kind = "base"  # the device kind, as in torch.device(kind)
-
     def __init__(self, config: EngineConfig, device: torch.device):
         self.config = config
         self.device = device

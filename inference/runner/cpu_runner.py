@@ -134,8 +134,6 @@ def cpu_ops(
 
 
 class CPURunner(ModelRunner):
-    kind = "cpu"
-
     def __init__(self, config: EngineConfig):
         build.prebuild()  # compiled beside the model's loading where not yet built
         super().__init__(config, torch.device("cpu"))

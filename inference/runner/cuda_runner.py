@@ -26,8 +26,6 @@ def cuda_ops(device: torch.device, backend_name: str) -> ModelOps:
 
 
 class CUDARunner(ModelRunner):
-    kind = "cuda"
-
     def resolve_dtype(self, dtype: str) -> torch.dtype:
         return resolve_dtype(dtype, self.device)
 
