@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from inference import EngineConfig, LLMEngine, SamplingParams
+from inference.engine.llm_engine import StepFailure
 from inference.engine.sequence import Request
 from inference.errors import DocqaError
 from inference.llm import resolve_model
@@ -37,10 +38,6 @@ class EngineNotReady(DocqaError):
 
 class EngineSaturated(DocqaError):
     code = "engine_saturated"
-
-
-class EngineFailure(RuntimeError):
-    """A step of the engine raised; the requests in flight were aborted."""
 
 
 @dataclass(frozen=True)
@@ -137,8 +134,10 @@ class EngineRunner:
         self.model_name: str | None = None
         self.started_at = time.time()
         self._cv = threading.Condition()
-        self._cmds: list[Callable[[], None]] = []
+        # commands for the engine thread, each with the future its caller awaits (if any)
+        self._cmds: list[tuple[Callable[[], None], concurrent.futures.Future | None]] = []
         self._stopping = False
+        self._closed = False  # the thread runs no more commands
         self._active: dict[str, tuple[Request, RequestHandle]] = {}
         self._thread = threading.Thread(target=self._main, name="docqa-engine", daemon=True)
 
@@ -155,7 +154,11 @@ class EngineRunner:
 
     @property
     def ready(self) -> bool:
-        return self.state == "ready"
+        return self.state == "ready" and self._thread.is_alive()
+
+    # how long the engine thread sleeps when a step ran nothing (every request waiting on
+    # blocks or on a second-tier lookup) before it tries again, unless a command wakes it
+    IDLE_WAIT_S = 0.05
 
     def _main(self) -> None:
         try:
@@ -173,7 +176,14 @@ class EngineRunner:
             self.error = str(e) or type(e).__name__
             log.exception("engine failed to start")
             return
-        self._loop()
+        try:
+            self._loop()
+        except BaseException as e:  # the loop itself broke: never leave callers waiting
+            self.state = "failed"
+            self.error = f"the engine thread stopped: {e}"
+            log.exception("the engine thread stopped")
+            self._fail_all(EngineNotReady(self.error))
+            self._drop_commands(EngineNotReady(self.error))
 
     def _loop(self) -> None:
         engine = self.engine
@@ -186,28 +196,53 @@ class EngineRunner:
                     break
                 cmds, self._cmds = self._cmds, []
             t0 = time.perf_counter()
-            for cmd in cmds:
-                cmd()
+            for cmd, _ in cmds:
+                try:
+                    cmd()
+                except Exception:  # a command's failure is its caller's, never the thread's
+                    log.exception("an engine command failed")
             if not engine.has_unfinished():
                 continue
             try:
                 finished = engine.step()
             except Exception as e:
                 log.exception("engine step failed; aborting the requests in flight")
-                self._fail_all(EngineFailure(f"the engine failed: {e}"))
+                self._fail_all(StepFailure(f"the engine failed: {e}"))
                 continue
             ran = engine.last_step
             self._publish(finished)
-            if self.observer is not None and ran is not None:
+            if ran is None and not finished:
+                self._idle()
+            elif self.observer is not None and ran is not None:
                 self.observer.observe_step(*ran, time.perf_counter() - t0)
         self._fail_all(EngineNotReady("the server is shutting down"))
+        self._drop_commands(EngineNotReady("the server is shutting down"))
         engine.close()
 
-    # -- engine thread ---------------------------------------------------------------------------
-    def _post(self, cmd: Callable[[], None]) -> None:
+    def _idle(self) -> None:
+        """A step ran nothing: wait a little for blocks or a lookup, or for a command."""
         with self._cv:
-            self._cmds.append(cmd)
-            self._cv.notify()
+            if not self._cmds and not self._stopping:
+                self._cv.wait(self.IDLE_WAIT_S)
+
+    # -- engine thread ---------------------------------------------------------------------------
+    def _post(self, cmd: Callable[[], None], fut: concurrent.futures.Future | None = None) -> None:
+        with self._cv:
+            closed = self._closed
+            if not closed:
+                self._cmds.append((cmd, fut))
+                self._cv.notify()
+        if closed and fut is not None and fut.set_running_or_notify_cancel():
+            fut.set_exception(EngineNotReady(self.error or "the server is shutting down"))
+
+    def _drop_commands(self, exc: BaseException) -> None:
+        """The thread will run no more commands: their callers get ``exc``."""
+        with self._cv:
+            self._closed = True
+            cmds, self._cmds = self._cmds, []
+        for _, fut in cmds:
+            if fut is not None and fut.set_running_or_notify_cancel():
+                fut.set_exception(exc)
 
     def _publish(self, finished: list[Request]) -> None:
         """Hands each request's new tokens to its caller: one call into each event loop per
@@ -230,9 +265,10 @@ class EngineRunner:
         for loop, batch in pushes.items():
             loop.call_soon_threadsafe(_push_all, batch)
         for req in finished:
-            self._complete(req, req.finish_reason or "stop")
+            self._complete(req, req.finish_reason or "stop", req.error)
 
-    def _complete(self, req: Request, reason: str) -> None:
+    def _complete(self, req: Request, reason: str, error: Exception | None = None) -> None:
+        """Hand a finished request's completion (or ``error``) to its caller."""
         engine = self.engine
         entry = self._active.pop(req.request_id, None)
         if req.times.finished is None:
@@ -248,6 +284,9 @@ class EngineRunner:
                 started=req.times.first_scheduled is not None,
                 got_first_token=req.times.first_token is not None,
             )
+        if error is not None:
+            handle.loop.call_soon_threadsafe(handle._finish, error)
+            return
         result = Completion(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -285,7 +324,9 @@ class EngineRunner:
     # -- event loop side -------------------------------------------------------------------------
     def require_ready(self) -> LLMEngine:
         if self.state == "failed":
-            raise EngineNotReady(f"the model failed to load: {self.error}")
+            raise EngineNotReady(f"the engine is not running: {self.error}")
+        if self.state == "ready" and not self._thread.is_alive():
+            raise EngineNotReady("the engine thread has stopped")
         if self.state != "ready" or self.engine is None:
             raise EngineNotReady("the model is still loading; retry shortly")
         return self.engine
@@ -296,12 +337,14 @@ class EngineRunner:
         fut: concurrent.futures.Future = concurrent.futures.Future()
 
         def cmd():
+            if not fut.set_running_or_notify_cancel():  # the caller went away: nothing to do
+                return
             try:
                 fut.set_result(fn(engine))
             except BaseException as e:
                 fut.set_exception(e)
 
-        self._post(cmd)
+        self._post(cmd, fut)
         return await asyncio.wrap_future(fut)
 
     async def submit(

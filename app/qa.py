@@ -427,7 +427,7 @@ class QAService:
                 answer = await asyncio.shield(task)
             except Exception as e:
                 log.error("request %s failed: %s", handle.request_id, e)
-                yield AnswerFailed("engine_error", str(e))
+                yield AnswerFailed(getattr(e, "code", "engine_error"), str(e))
                 return
             yield AnswerDone(answer)
         finally:

@@ -20,7 +20,7 @@ class RequestOutput:
     text: str
     token_ids: list[int]  # generated ids, end-of-turn token included when it stopped there
     num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort" (a failed request raises its error)
     metrics: RequestMetrics
 
 
@@ -79,6 +79,11 @@ class LLM:
             for r in reqs:
                 engine.abort(r.request_id)
             raise
+        failed = next((r for r in reqs if r.error is not None), None)
+        if failed is not None:
+            for r in reqs:
+                engine.release(r)
+            raise failed.error
         outs = []
         for r in reqs:
             outs.append(

@@ -190,3 +190,34 @@ def test_metrics_cover_the_scheduler(sqlite_server):
     assert steps_of("decode", names) >= 2
     assert steps_of("mixed", names) == 0
     assert steps_of("mixed", later) >= 1
+
+
+def _streamed_answer(srv, path: str, body: dict) -> dict:
+    """The answer object of a streamed question (its last event), or the error body."""
+    last = None
+    with srv.client() as c, c.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        event = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                event = line[7:]
+            elif line.startswith("data: ") and event in ("answer", "error"):
+                last = (event, json.loads(line[6:]))
+    return last
+
+
+def test_a_near_zero_temperature_beside_streamed_answers_leaves_them_whole(sqlite_server):
+    """A temperature of 1e-38 (logits divided by it overflow) asked beside four streamed
+    answers: the four are answered in full, and so is it (as greedy)."""
+    with sqlite_server.client() as c:
+        m = c.post("/v1/manuals", json={"title": "t", "text": f"{uuid.uuid4().hex}\n{SAMPLE}"})
+        manual_id = m.json()["id"]
+    body = {"manual_id": manual_id, "max_tokens": 24, "ignore_eos": True}
+    bodies = [{**body, "question": f"Question {i}: what does -k do?"} for i in range(4)]
+    bodies.append({**body, "question": "What does -z do?", "temperature": 1e-38, "seed": 1})
+    with ThreadPoolExecutor(5) as pool:
+        results = list(pool.map(lambda b: _streamed_answer(sqlite_server, "/v1/ask", b), bodies))
+    for event, answer in results:
+        assert event == "answer", answer
+        assert answer["finish_reason"] == "length"
+        assert answer["usage"]["completion_tokens"] == 24

@@ -381,3 +381,34 @@ def test_the_cpu_pool_is_mapped_in_the_background_and_keeps_what_the_engine_wrot
     for k, v in eng.runner.kv_caches:
         assert k.view(k.shape[0], -1).any(dim=1).nonzero().flatten().tolist() == sorted(blocks)
         assert all(v[b].any() for b in blocks)
+
+
+def test_pins_taken_under_a_running_request_neither_stall_nor_spin_it(tiny_model_dir):
+    """A request admitted when the pool could hold it, then left short by pins taken while it
+    runs: once it cannot grow it finishes with an error that says so, in a bounded number of
+    steps, each of which ran something; the pins keep their blocks."""
+    eng = LLM(tiny_model_dir, dtype="bfloat16", kv_cache_gib=0.0005, pin_budget=1.0).engine
+    nb = eng.kv_spec.num_blocks
+    third = nb // 3
+    manual = _prompt(990, third * 16)
+    warm = eng.add_request(manual + [5], SamplingParams(max_tokens=1))
+    while not warm.finished:
+        eng.step()
+    eng.release(warm)
+    # its prompt and answer fit the pool with nothing pinned
+    req = eng.add_request(
+        _prompt(991, third * 16), SamplingParams(max_tokens=(nb - third - 4) * 16, ignore_eos=True)
+    )
+    while not req.output_token_ids:
+        eng.step()
+    assert eng.pin("manual", manual) == third * 16
+    for _ in range(nb * 16):
+        finished = eng.step()
+        if req.finished:
+            break
+        assert eng.last_step is not None  # every step ran something
+    assert req.finished and req in finished and req.finish_reason == "error"
+    assert isinstance(req.error, RequestTooLargeError) and "pinned" in str(req.error)
+    assert eng.kv_manager.find_cached_prefix(manual + [0]).num_cached_tokens == third * 16
+    eng.kv_manager.check_integrity()
+    assert eng.unpin("manual")

@@ -139,3 +139,18 @@ def test_the_fingerprint_follows_what_computes_the_kv(tiny_model_dir):
     assert sig.startswith("cpu|attention=torch|") and "linear=" in sig
     assert fingerprint(attention_backend="cpu")[0] != torch_a
     assert fingerprint(attention_backend="torch", dtype="float32")[0] != torch_a
+
+
+def test_a_row_whose_sampling_fails_fails_alone():
+    """NaN logits in one row (a model that blew up for one request): that row's entry is the
+    exception, the other rows are sampled as usual; temperatures under 1e-5 are greedy."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 40, generator=gen)
+    logits[1] = float("nan")
+    params = SamplingParams(temperature=0.7)
+    reqs = [Request(f"r{i}", [1], params, seed=i) for i in range(3)]
+    out = Sampler()(logits, reqs)
+    assert isinstance(out[1], Exception)
+    assert all(isinstance(t, int) and 0 <= t < 40 for t in (out[0], out[2]))
+    tiny = Request("t", [1], SamplingParams(temperature=1e-38))
+    assert tiny.params.greedy and Sampler()(logits[:1], [tiny]) == [int(logits[0].argmax())]

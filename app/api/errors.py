@@ -11,9 +11,10 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 
-from app.engine_runner import EngineFailure, EngineNotReady, EngineSaturated
+from app.engine_runner import EngineNotReady, EngineSaturated
 from app.errors import NotFound
 from app.manual_text import ManualError, UnsupportedManualType
+from inference.engine.llm_engine import StepFailure
 from inference.errors import DocqaError, PromptTooLongError
 
 log = logging.getLogger("docqa.api")
@@ -129,8 +130,8 @@ def _database(_req: Request, exc: Exception) -> Response:
     )
 
 
-def _engine_failure(_req: Request, exc: EngineFailure) -> Response:
-    return error_response(500, "engine_error", str(exc))
+def _engine_failure(_req: Request, exc: StepFailure) -> Response:
+    return error_response(500, exc.code, str(exc))
 
 
 def _internal(request: Request, exc: Exception) -> Response:
@@ -148,6 +149,6 @@ EXCEPTION_HANDLERS = {
     OperationalError: _database,
     InterfaceError: _database,
     DBAPIError: _database,
-    EngineFailure: _engine_failure,
+    StepFailure: _engine_failure,
     Exception: _internal,
 }

@@ -9,6 +9,7 @@ single-threaded; front ends call it from one thread.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -22,7 +23,7 @@ from inference.engine.sampler import SamplingParams
 from inference.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from inference.engine.sequence import Request
 from inference.engine.tier_io import TierIO
-from inference.errors import ModelError, PromptTooLongError
+from inference.errors import DocqaError, ModelError, PromptTooLongError
 from inference.kv_sizing import KVCacheSpec
 from inference.metrics import PrefillCostModel, RequestMetrics
 from inference.model.loader import model_fingerprint
@@ -30,8 +31,17 @@ from inference.model.tokenizer import TextTokenizer
 from inference.runner import RunnerOutput, make_runner
 from prefix_store import KVCacheManager, RedisTier
 
+log = logging.getLogger("docqa.engine")
+
 # end-of-turn markers of the chat templates docqa lays out (prompts/templates.py)
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|endoftext|>")
+
+
+class StepFailure(DocqaError):
+    """The engine failed a request (the forward pass of its step, or its own sampling or
+    bookkeeping, raised); the request's blocks are freed and the engine keeps serving."""
+
+    code = "engine_error"
 
 
 class LLMEngine:
@@ -197,18 +207,30 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[Request]:
         """Schedule, execute on the runner, post-process; returns the requests that finished
-        in this step."""
+        in this step (those that failed included: finish reason ``error``, ``Request.error``
+        says why)."""
         self.last_step = None
         if self.tier_io is not None:
             self.tier_io.install_ready()
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(reserved_blocks=self.pins.num_pinned_blocks)
         if not sched.chunks:
             if self.tier_io is not None:
                 self.tier_io.wait(0.05)  # nothing to run: a lookup may finish meanwhile
-            return []
-        out = self.runner.execute(sched)
+            return list(sched.failed)
+        try:
+            out = self.runner.execute(sched)
+        except Exception as e:  # the step's requests fail; the engine keeps serving
+            log.exception("a step of %d requests failed", len(sched.chunks))
+            return [*sched.failed, *(self._fail(c.request, e) for c in sched.chunks)]
         self._record_computed(sched, out.model_s)
-        return self._append_tokens(sched, out)
+        return [*sched.failed, *self._append_tokens(sched, out)]
+
+    def _fail(self, req: Request, cause: Exception) -> Request:
+        """Finish a request with an error (its blocks freed); returns it."""
+        if not req.finished:
+            req.error = StepFailure(f"the engine failed this request: {cause}")
+            self.scheduler.finish(req, "error")
+        return req
 
     def _record_computed(self, sched: SchedulerOutput, model_s: float) -> None:
         """After the forward pass: each chunk's tokens count as computed, blocks that became
@@ -228,7 +250,13 @@ class LLMEngine:
                 prefill_chunks.append((n, ctx))
             req.num_computed_tokens = ctx + n
             if (ctx + n) // bs > ctx // bs:  # a block became full: hash and index it
-                self.kv_manager.register_computed(req.request_id, req.all_token_ids, ctx + n, newly)
+                try:
+                    self.kv_manager.register_computed(
+                        req.request_id, req.all_token_ids, ctx + n, newly
+                    )
+                except Exception as e:
+                    log.exception("indexing the blocks of %s failed", req.request_id)
+                    self._fail(req, e)
         if newly:
             self.tier_io.write_through(newly)
         if prefill_chunks and len(prefill_chunks) == len(sched.chunks):
@@ -236,28 +264,42 @@ class LLMEngine:
 
     def _append_tokens(self, sched: SchedulerOutput, out: RunnerOutput) -> list[Request]:
         """Each sampled token to its request; requests that reach an end of turn (unless
-        ``ignore_eos``), ``max_tokens`` or the context finish, their blocks freed."""
-        finished = []
+        ``ignore_eos``), ``max_tokens`` or the context finish, their blocks freed. A request
+        whose sampling or bookkeeping raised fails alone."""
+        finished = [c.request for c in sched.chunks if c.request.finished]  # failed above
         now = time.perf_counter()
         for row, (req, tok) in enumerate(zip(sched.sampling, out.sampled_token_ids, strict=True)):
-            if req.keep_logits:
-                req.logits.append(out.logits[row].clone())
-            req.output_token_ids.append(tok)
-            self.generation_tokens += 1
-            if req.times.first_token is None:
-                req.times.first_token = now
-            reason = None
-            if tok in req.eos_token_ids and not req.params.ignore_eos:
-                reason = "stop"
-            elif (
-                len(req.output_token_ids) >= req.params.max_tokens
-                or req.num_tokens >= req.max_model_len
-            ):
-                reason = "length"
-            if reason:
-                self.scheduler.finish(req, reason)
-                finished.append(req)
+            if req.finished:
+                continue
+            try:
+                if isinstance(tok, Exception):
+                    raise tok
+                if self._append_token(req, tok, out.logits, row, now):
+                    finished.append(req)
+            except Exception as e:
+                log.exception("the token of %s could not be taken", req.request_id)
+                finished.append(self._fail(req, e))
         return finished
+
+    def _append_token(self, req: Request, tok: int, logits, row: int, now: float) -> bool:
+        """``tok`` after ``req``'s tokens; True when that finishes the request."""
+        if req.keep_logits:
+            req.logits.append(logits[row].clone())
+        req.output_token_ids.append(tok)
+        self.generation_tokens += 1
+        if req.times.first_token is None:
+            req.times.first_token = now
+        reason = None
+        if tok in req.eos_token_ids and not req.params.ignore_eos:
+            reason = "stop"
+        elif (
+            len(req.output_token_ids) >= req.params.max_tokens
+            or req.num_tokens >= req.max_model_len
+        ):
+            reason = "length"
+        if reason:
+            self.scheduler.finish(req, reason)
+        return reason is not None
 
     # -- reporting ----------------------------------------------------------------------------
     def request_metrics(self, req: Request) -> RequestMetrics:

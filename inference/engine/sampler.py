@@ -9,6 +9,7 @@ so a seeded request repeats its tokens whatever else shares its steps.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -18,10 +19,16 @@ import torch
 if TYPE_CHECKING:
     from inference.engine.sequence import Request
 
+log = logging.getLogger("docqa.engine")
+
+# temperatures below this are greedy: logits divided by less overflow float32
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick output tokens. ``temperature == 0`` is greedy."""
+    """How to pick output tokens. A ``temperature`` under ``MIN_TEMPERATURE`` (0 included) is
+    greedy."""
 
     max_tokens: int = 256
     temperature: float = 0.0
@@ -42,7 +49,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
 
 
 def torch_argmax(logits: torch.Tensor) -> list[int]:
@@ -56,22 +63,36 @@ class Sampler:
     def __init__(self, argmax: Callable[[torch.Tensor], list[int]] = torch_argmax):
         self.argmax = argmax
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int | Exception]:
         """``logits`` [R, vocab] float32, row i the next-token logits of ``requests[i]``;
-        returns one token id per row. Makes each sampled request's generator on first use."""
+        returns one token id per row, or the exception that row's sampling raised (its request
+        fails alone: a failed batch is sampled again row by row). Makes each sampled request's
+        generator on first use."""
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
         if not sampled:
             return self.argmax(logits)
-        out = [0] * len(requests)
+        out: list[int | Exception] = [0] * len(requests)
         if len(sampled) < len(requests):
             greedy = [i for i, r in enumerate(requests) if r.params.greedy]
             for i, tok in zip(greedy, self.argmax(logits[greedy]), strict=True):
                 out[i] = tok
         rows = logits if len(sampled) == len(requests) else logits[sampled]
-        tokens = self.sample(rows, [requests[i] for i in sampled])
+        try:
+            tokens: list = self.sample(rows, [requests[i] for i in sampled])
+        except Exception:
+            tokens = [
+                self._sample_alone(rows[j : j + 1], requests[i]) for j, i in enumerate(sampled)
+            ]
         for i, tok in zip(sampled, tokens, strict=True):
             out[i] = tok
         return out
+
+    def _sample_alone(self, row: torch.Tensor, req: Request) -> int | Exception:
+        try:
+            return self.sample(row, [req])[0]
+        except Exception as e:
+            log.warning("sampling failed for %s: %s", req.request_id, e)
+            return e
 
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         """One draw per row of ``logits`` [S, vocab] from its request's distribution."""

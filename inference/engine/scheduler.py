@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -66,6 +67,9 @@ class SchedulerOutput(NamedTuple):
 
     chunks: list[ScheduledChunk]  # running requests first (oldest first), then admissions
     preempted: list[Request]  # requests moved back to waiting in this step
+    # requests finished with an error in this step: they can no longer fit the pool less its
+    # reserved (pinned) blocks (``Request.error`` says so)
+    failed: Sequence[Request] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -108,18 +112,26 @@ class Scheduler:
     def add(self, req: Request, reserved_blocks: int = 0) -> None:
         """Queue a request; RequestTooLargeError when its prompt plus its whole answer could
         never fit the pool (less ``reserved_blocks``, e.g. pinned ones), even running alone."""
+        too_large = self._too_large(req, reserved_blocks)
+        if too_large is not None:
+            raise too_large
+        self.waiting.append(req)
+
+    def _too_large(self, req: Request, reserved_blocks: int) -> RequestTooLargeError | None:
+        """The error of a request whose prompt and whole answer cannot fit the pool less
+        ``reserved_blocks`` even alone; None when it fits."""
         total = req.num_prompt_tokens + req.params.max_tokens
         if req.max_model_len:
             total = min(total, req.max_model_len)
         blocks_needed = -(-max(total, req.num_prompt_tokens + 1) // self.kv.block_size)
         available = self.kv.pool.num_blocks - reserved_blocks
-        if blocks_needed > available:
-            raise RequestTooLargeError(
-                f"prompt of {req.num_prompt_tokens:,} tokens plus max_tokens "
-                f"{req.params.max_tokens:,} needs {blocks_needed:,} KV blocks; the pool holds "
-                f"{available:,} (of {self.kv.pool.num_blocks:,}, less pinned blocks)"
-            )
-        self.waiting.append(req)
+        if blocks_needed <= available:
+            return None
+        return RequestTooLargeError(
+            f"prompt of {req.num_prompt_tokens:,} tokens plus max_tokens "
+            f"{req.params.max_tokens:,} needs {blocks_needed:,} KV blocks; the pool holds "
+            f"{available:,} (of {self.kv.pool.num_blocks:,}, less pinned blocks)"
+        )
 
     def abort(self, req: Request) -> None:
         if req in self.running:
@@ -136,17 +148,24 @@ class Scheduler:
     def _preempt_newest(self, keep: Request) -> Request | None:
         for victim in reversed(self.running):
             if victim is not keep:
-                self.running.remove(victim)
-                self._free_blocks(victim)
-                victim.status = RequestStatus.WAITING
-                victim.num_computed_tokens = 0
-                victim.num_preemptions += 1
-                self.num_preemptions += 1
-                self.waiting.appendleft(victim)
+                self._preempt(victim)
                 return victim
         return None
 
-    def schedule(self) -> SchedulerOutput:
+    def _preempt(self, req: Request) -> None:
+        """Free a running request's blocks and queue it first: it is computed again later
+        (from whatever of its prefix is still cached)."""
+        self.running.remove(req)
+        self._free_blocks(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self, reserved_blocks: int = 0) -> SchedulerOutput:
+        """The next step's chunks. ``reserved_blocks`` (pinned ones) are blocks no request
+        may count on: a request that cannot fit the rest of the pool even alone fails."""
         budget = self.config.max_num_batched_tokens
         # prompt tokens this step may carry: fewer while answers are decoding
         prompt_budget = budget
@@ -155,6 +174,7 @@ class Scheduler:
             prompt_budget = cap
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
+        failed: list[Request] = []
         # 1. running requests, oldest first: decodes and continuing prompt chunks
         for req in list(self.running):
             if budget <= 0:
@@ -173,8 +193,15 @@ class Scheduler:
                     break
                 except NoFreeBlocksError:
                     victim = self._preempt_newest(keep=req)
-                    if victim is None:
+                    if victim is None:  # it alone holds blocks and cannot grow
                         n = 0
+                        error = self._too_large(req, reserved_blocks)
+                        if error is not None:  # pins taken since it was admitted
+                            self._fail(req, error)
+                            failed.append(req)
+                        else:  # blocks held for a moment (a second-tier load)
+                            self._preempt(req)
+                            preempted.append(req)
                         break
                     preempted.append(victim)
                     for c in chunks:
@@ -189,8 +216,8 @@ class Scheduler:
                 if prompt:
                     prompt_budget -= n
         # 2. admit waiting requests while budget, sequence slots and blocks last
-        self._admit(chunks, min(budget, prompt_budget))
-        return SchedulerOutput(chunks, preempted)
+        self._admit(chunks, min(budget, prompt_budget), reserved_blocks, failed)
+        return SchedulerOutput(chunks, preempted, failed)
 
     # -- admission --------------------------------------------------------------------------------
     def prompt_hashes(self, req: Request) -> list[bytes]:
@@ -236,13 +263,21 @@ class Scheduler:
         keyed.sort(key=lambda kv: kv[0])
         return [entry for _, entry in keyed]
 
-    def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
+    def _admit(
+        self, chunks: list[ScheduledChunk], budget: int, reserved_blocks: int, failed: list
+    ) -> None:
         bs = self.kv.block_size
         inflight: set[bytes] | None = None
         allocated = False  # an allocation may evict blocks an earlier lookup found
         for req, cached, looked in self._admission_order():
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            error = self._too_large(req, reserved_blocks)
+            if error is not None:  # pins taken since it was queued
+                self.waiting.remove(req)
+                self._fail(req, error)
+                failed.append(req)
+                continue
             if allocated or not looked:
                 cached = self._lookup(req)
             num_cached = cached.num_cached_tokens if cached else 0
@@ -306,6 +341,10 @@ class Scheduler:
                 if cached is None or cached.copy_source is None:
                     return None
                 cached = cached.full_blocks_only()
+
+    def _fail(self, req: Request, error: Exception) -> None:
+        req.error = error
+        self.finish(req, "error")
 
     def finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason

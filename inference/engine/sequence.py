@@ -43,7 +43,8 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is in this request's blocks
     num_cached_tokens: int = -1  # prompt tokens served from cache (set at first admission)
     num_preemptions: int = 0
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # stop | length | abort | error
+    error: Exception | None = None  # why a request finished with "error"
     times: RequestTimes = field(default_factory=RequestTimes)
     # sampling (temperature > 0): the seed of the request's generator, which the sampler makes
     # on the device of the logits at the first sampled token and keeps here
