@@ -7,10 +7,26 @@ from pathlib import Path
 from inference.errors import DocqaError
 
 MAX_MANUAL_BYTES = 4 * 2**20
+# an upload's text at most, once extracted (a manual must fit the model's context, far less)
+MAX_MANUAL_CHARS = 4 * 2**20
+MAX_PDF_PAGES = 2000
+# a PDF's page content at most, once decompressed: what text extraction walks (a few KB a page
+# in a real manual; extraction takes about a second a megabyte)
+MAX_PDF_CONTENT_BYTES = 4 * 2**20
 
 
 class ManualError(DocqaError):
     code = "bad_manual"
+
+
+class ManualTooLarge(ManualError):
+    """An upload whose content expands past a limit (``limit``, in the message's unit)."""
+
+    code = "manual_too_large"
+
+    def __init__(self, message: str, limit: int):
+        super().__init__(message)
+        self.limit = limit
 
 
 def read_manual_file(path: str | Path) -> str:
@@ -94,7 +110,25 @@ def pdf_to_text(data: bytes, name: str) -> str:
         reader = PdfReader(io.BytesIO(data))
         if reader.is_encrypted:
             raise ManualError(f"{name} is an encrypted PDF; upload an unencrypted file")
-        pages = [page.extract_text() or "" for page in reader.pages]
+        if len(reader.pages) > MAX_PDF_PAGES:
+            raise ManualTooLarge(
+                f"{name} has {len(reader.pages):,} pages; the limit is {MAX_PDF_PAGES:,}",
+                MAX_PDF_PAGES,
+            )
+        pages, content, chars = [], 0, 0
+        for page in reader.pages:
+            stream = page.get_contents()
+            content += len(stream.get_data()) if stream is not None else 0
+            if content > MAX_PDF_CONTENT_BYTES:
+                raise ManualTooLarge(
+                    f"{name}'s pages decompress to more than {MAX_PDF_CONTENT_BYTES:,} bytes "
+                    "of content (the limit)",
+                    MAX_PDF_CONTENT_BYTES,
+                )
+            pages.append(page.extract_text() or "")
+            chars += len(pages[-1])
+            if chars > MAX_MANUAL_CHARS:
+                raise _too_many_chars(name)
     except ManualError:
         raise
     except (PyPdfError, ValueError, KeyError, TypeError, OSError) as e:
@@ -105,8 +139,17 @@ def pdf_to_text(data: bytes, name: str) -> str:
     return text
 
 
+def _too_many_chars(name: str) -> ManualTooLarge:
+    return ManualTooLarge(
+        f"{name}'s text is longer than {MAX_MANUAL_CHARS:,} characters (the limit)",
+        MAX_MANUAL_CHARS,
+    )
+
+
 def extract_manual_text(data: bytes, kind: str, name: str = "manual") -> str:
-    """Plain text of an uploaded file of ``kind`` (from ``manual_kind``)."""
+    """Plain text of an uploaded file of ``kind`` (from ``manual_kind``); ManualTooLarge when
+    it expands past the limits above. CPU-bound: callers on an event loop run it in a
+    thread."""
     if not data:
         raise ManualError(f"{name} is empty")
     if kind == "pdf":
@@ -118,4 +161,6 @@ def extract_manual_text(data: bytes, kind: str, name: str = "manual") -> str:
         text = html_to_text(text)
         if not text.strip():
             raise ManualError(f"{name} has no text once its HTML markup is removed")
+    if len(text) > MAX_MANUAL_CHARS:
+        raise _too_many_chars(name)
     return text

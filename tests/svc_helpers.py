@@ -233,3 +233,40 @@ def make_pdf(lines: list[str]) -> bytes:
         out += b"%010d 00000 n \n" % off
     out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objs) + 1, xref)
     return bytes(out)
+
+
+def make_pdf_bomb(lines_per_page: int, pages: int = 1) -> bytes:
+    """A PDF whose pages' compressed content streams each show ``lines_per_page`` lines of
+    text: a few kilobytes that expand to megabytes of text."""
+    import zlib
+
+    ops = b"BT /F1 12 Tf 72 720 Td " + b"(Press START to run the washer.) Tj T* " * lines_per_page
+    stream = zlib.compress(ops + b"ET", 9)
+    font = 3 + 2 * pages
+    objs = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [%s] /Count %d >>"
+        % (b" ".join(b"%d 0 R" % (3 + 2 * i) for i in range(pages)), pages),
+    ]
+    for i in range(pages):
+        objs.append(
+            b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents %d 0 R "
+            b"/Resources << /Font << /F1 %d 0 R >> >> >>" % (4 + 2 * i, font)
+        )
+        objs.append(
+            b"<< /Length %d /Filter /FlateDecode >>\nstream\n" % len(stream)
+            + stream
+            + b"\nendstream"
+        )
+    objs.append(b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>")
+    out = bytearray(b"%PDF-1.4\n")
+    offsets = []
+    for i, body in enumerate(objs, 1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n" % i + body + b"\nendobj\n"
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objs) + 1)
+    for off in offsets:
+        out += b"%010d 00000 n \n" % off
+    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objs) + 1, xref)
+    return bytes(out)

@@ -17,7 +17,9 @@ from app.api.deps import auth_guard, provide_qa, provide_tenant
 from app.api.errors import EXCEPTION_HANDLERS, error_response
 from app.api.manuals import ManualController
 from app.api.openai_compat import OpenAIController
-from app.api.schemas import EngineInfo, declare_max_tokens_cap
+from app.api.openapi import finish_openapi
+from app.api.request import DocqaRequest
+from app.api.schemas import EngineInfo
 from app.db import Database
 from app.engine_runner import EngineRunner
 from app.metrics import CONTENT_TYPE, ServiceMetrics
@@ -28,8 +30,10 @@ from inference.model.config import dtype_name
 
 log = logging.getLogger("docqa.api")
 
+MAX_MULTIPART_PARTS = 16  # an upload has two (file, title)
 
-@get("/health", tags=["system"], summary="Liveness", include_in_schema=True)
+
+@get("/health", tags=["system"], summary="Liveness", operation_id="health")
 async def health() -> dict[str, str]:
     return {"status": "ok"}
 
@@ -58,7 +62,12 @@ async def redis_tier_status(state: State) -> str:
         return "degraded"
 
 
-@get("/ready", tags=["system"], summary="Readiness: 200 once the model is loaded, else 503")
+@get(
+    "/ready",
+    tags=["system"],
+    summary="Readiness: 200 once the model is loaded, else 503",
+    operation_id="ready",
+)
 async def ready(state: State) -> Response:
     """A missing Redis only degrades caching: readiness stays 200 and reports the tier."""
     runner: EngineRunner = state.runner
@@ -77,12 +86,23 @@ async def ready(state: State) -> Response:
     return Response(body)
 
 
-@get("/metrics", tags=["system"], summary="Prometheus metrics", media_type=CONTENT_TYPE)
+@get(
+    "/metrics",
+    tags=["system"],
+    summary="Prometheus metrics",
+    media_type=CONTENT_TYPE,
+    operation_id="metrics",
+)
 async def metrics(state: State) -> Response:
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
 
-@get("/engine", tags=["system"], summary="Model, KV capacity, pool usage and hit counters")
+@get(
+    "/engine",
+    tags=["system"],
+    summary="Model, KV capacity, pool usage and hit counters",
+    operation_id="getEngine",
+)
 async def engine_info(state: State) -> EngineInfo:
     runner: EngineRunner = state.runner
     e = runner.require_ready()
@@ -155,7 +175,7 @@ def create_app(settings: Settings | None = None, runner: EngineRunner | None = N
         )
 
     def on_startup(app: Litestar) -> None:
-        declare_max_tokens_cap(app.openapi_schema, settings.max_tokens_cap)
+        finish_openapi(app.openapi_schema, settings.max_tokens_cap)
         if runner.state == "loading" and not runner._thread.is_alive():
             runner.start()
         if qa.registry is not None:
@@ -228,6 +248,8 @@ def create_app(settings: Settings | None = None, runner: EngineRunner | None = N
         exception_handlers=EXCEPTION_HANDLERS,
         openapi_config=openapi,
         request_max_body_size=settings.max_upload_bytes + 2**20,
+        request_class=DocqaRequest,
+        multipart_form_part_limit=MAX_MULTIPART_PARTS,
         debug=False,
     )
 

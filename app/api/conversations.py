@@ -2,9 +2,9 @@
 (``app/answer.py``) as JSON, or as server-sent events with ``stream: true``."""
 
 import asyncio
+from typing import Annotated
 
 from litestar import Controller, Request, Response, delete, get, post
-from litestar.params import Parameter
 from sqlalchemy import delete as sa_delete
 from sqlalchemy import func, select
 
@@ -14,10 +14,15 @@ from app.api.schemas import (
     CancelOut,
     ConversationCreate,
     ConversationDetail,
+    ConversationId,
     ConversationList,
     ConversationOut,
     MessageCreate,
     MessageOut,
+    PageLimit,
+    PageOffset,
+    RequestId,
+    path_id,
 )
 from app.api.streaming import EventStream, forwarded, native_sse
 from app.db import Conversation, Manual, Message
@@ -44,7 +49,7 @@ def _owned(conversation_id: str, tenant: str) -> tuple:
     return (Conversation.id == conversation_id, Conversation.tenant == tenant)
 
 
-async def _messages(s, conversation_id: str) -> list[Message]:
+async def _messages(s, conversation_id: ConversationId) -> list[Message]:
     rows = await s.scalars(
         select(Message).where(Message.conversation_id == conversation_id).order_by(Message.seq)
     )
@@ -90,7 +95,7 @@ class ConversationController(Controller):
     path = "/conversations"
     tags = ["conversations"]
 
-    @post("/", summary="Start a conversation about a manual")
+    @post("/", summary="Start a conversation about a manual", operation_id="createConversation")
     async def create(self, qa: QAService, tenant: str, data: ConversationCreate) -> ConversationOut:
         await qa.get_manual(tenant, data.manual_id)
         conv = Conversation(id=new_id("conv"), tenant=tenant, manual_id=data.manual_id)
@@ -98,14 +103,14 @@ class ConversationController(Controller):
             s.add(conv)
         return ConversationOut(id=conv.id, manual_id=conv.manual_id, created_at=conv.created_at)
 
-    @get("/", summary="List conversations")
+    @get("/", summary="List conversations", operation_id="listConversations")
     async def list_conversations(
         self,
         qa: QAService,
         tenant: str,
-        manual_id: str | None = None,
-        limit: int = Parameter(default=100, ge=1, le=1000),
-        offset: int = Parameter(default=0, ge=0),
+        manual_id: Annotated[str | None, path_id("manual")] = None,
+        limit: PageLimit = 100,
+        offset: PageOffset = 0,
     ) -> ConversationList:
         counts = (
             select(Message.conversation_id, func.count().label("n"))
@@ -131,9 +136,13 @@ class ConversationController(Controller):
             ]
         )
 
-    @get("/{conversation_id:str}", summary="A conversation with its messages")
+    @get(
+        "/{conversation_id:str}",
+        summary="A conversation with its messages",
+        operation_id="getConversation",
+    )
     async def get_conversation(
-        self, qa: QAService, tenant: str, conversation_id: str
+        self, qa: QAService, tenant: str, conversation_id: ConversationId
     ) -> ConversationDetail:
         async with qa.db.session() as s:
             conv = await s.scalar(select(Conversation).where(*_owned(conversation_id, tenant)))
@@ -148,8 +157,12 @@ class ConversationController(Controller):
             messages=[_message_out(m) for m in msgs],
         )
 
-    @delete("/{conversation_id:str}", summary="Delete a conversation")
-    async def delete_conversation(self, qa: QAService, tenant: str, conversation_id: str) -> None:
+    @delete(
+        "/{conversation_id:str}", summary="Delete a conversation", operation_id="deleteConversation"
+    )
+    async def delete_conversation(
+        self, qa: QAService, tenant: str, conversation_id: ConversationId
+    ) -> None:
         async with qa.db.transaction() as s:
             res = await s.execute(sa_delete(Conversation).where(*_owned(conversation_id, tenant)))
             if res.rowcount == 0:
@@ -158,6 +171,7 @@ class ConversationController(Controller):
     @post(
         "/{conversation_id:str}/messages",
         status_code=200,
+        operation_id="askInConversation",
         summary="Ask the next question in a conversation",
         description=(
             "Returns the answer object; with `stream: true`, SSE `token` events and a final "
@@ -168,7 +182,7 @@ class ConversationController(Controller):
         self,
         qa: QAService,
         tenant: str,
-        conversation_id: str,
+        conversation_id: ConversationId,
         data: MessageCreate,
         request: Request,
     ) -> Answer | Response:
@@ -196,6 +210,7 @@ class AskController(Controller):
     @post(
         "/",
         status_code=200,
+        operation_id="ask",
         summary="One question about a manual, without a conversation",
     )
     async def ask(
@@ -211,9 +226,14 @@ class RequestController(Controller):
     path = "/requests"
     tags = ["questions"]
 
-    @post("/{request_id:str}/cancel", status_code=200, summary="Cancel a running answer")
+    @post(
+        "/{request_id:str}/cancel",
+        status_code=200,
+        summary="Cancel a running answer",
+        operation_id="cancelRequest",
+    )
     async def cancel(
-        self, qa: QAService, tenant: str, request_id: str, request: Request
+        self, qa: QAService, tenant: str, request_id: RequestId, request: Request
     ) -> CancelOut:
         """Stops the request (the answer object's ``id``) and frees its KV blocks at once; a
         conversation turn is stored with finish reason ``cancelled``. A request forwarded to

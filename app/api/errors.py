@@ -13,7 +13,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, Operation
 
 from app.engine_runner import EngineNotReady, EngineSaturated
 from app.errors import NotFound
-from app.manual_text import ManualError, UnsupportedManualType
+from app.manual_text import ManualError, ManualTooLarge, UnsupportedManualType
 from inference.engine.llm_engine import StepFailure
 from inference.errors import DocqaError, PromptTooLongError
 
@@ -69,6 +69,9 @@ def _validation(_req: Request, exc: ValidationException) -> Response:
         if m and limit is None:
             num = m.group(1) or m.group(2)
             limit = float(num) if "." in num else int(num)
+    if any(isinstance(i, dict) and i.get("key") == "data" and i.get("message") == "'data'"
+           for i in extra):  # fmt: skip
+        return error_response(400, "invalid_request", "the request body is empty: send JSON")
     message = "; ".join(parts) or exc.detail or "the request is invalid"
     return error_response(400, "invalid_request", message, limit)
 
@@ -94,6 +97,11 @@ def _http(request: Request, exc: HTTPException) -> Response:
         log.error("HTTP %s on %s: %s", status, request.url.path, exc.detail)
         return error_response(status, "internal_error", "internal error; see the server log")
     detail = exc.detail or "bad request"
+    if detail == "Request Entity Too Large":  # the multipart parser's part limit
+        limit = request.app.multipart_form_part_limit
+        return error_response(
+            413, "too_many_parts", f"the multipart body has more than {limit} parts", limit
+        )
     if "JSON is malformed" in detail:
         msg = f"the request body is not valid JSON: {detail}"
         return error_response(400, "malformed_json", msg)
@@ -109,6 +117,8 @@ def _docqa(_req: Request, exc: DocqaError) -> Response:
         return error_response(503, exc.code, str(exc), headers={"Retry-After": "1"})
     if isinstance(exc, UnsupportedManualType):
         return error_response(415, exc.code, str(exc))
+    if isinstance(exc, ManualTooLarge):
+        return error_response(413, exc.code, str(exc), exc.limit)
     if isinstance(exc, ManualError):
         return error_response(400, "invalid_manual", str(exc))
     if isinstance(exc, PromptTooLongError):

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 
 import msgspec
 from litestar import Controller, Request, Response, delete, get, post
 from litestar.datastructures import UploadFile
 from litestar.openapi.spec import (
+    Encoding,
+    Example,
     OpenAPIFormat,
     OpenAPIMediaType,
     OpenAPIType,
@@ -16,16 +19,33 @@ from litestar.openapi.spec import (
     RequestBody,
     Schema,
 )
-from litestar.params import Parameter
 from sqlalchemy import delete as sa_delete
 from sqlalchemy import select
 
 from app.api.errors import ApiError
-from app.api.schemas import ManualCreate, ManualDetail, ManualList, ManualOut, PinOut, WarmOut
+from app.api.schemas import (
+    MAX_TITLE_CHARS,
+    ManualCreate,
+    ManualDetail,
+    ManualId,
+    ManualList,
+    ManualOut,
+    PageLimit,
+    PageOffset,
+    PinOut,
+    WarmOut,
+)
 from app.db import Manual
 from app.errors import NotFound
 from app.manual_text import extract_manual_text, manual_kind
 from app.qa import QAService
+
+_EXAMPLE_MANUAL = {
+    "title": "tarx",
+    "text": "tarx packs files into an archive. -z compresses the archive; -k keeps existing "
+    "files when extracting; -C DIR extracts into DIR. Exit status 2 means a fatal error.",
+}
+_CONTENT_TYPES = ("text/plain", "text/markdown", "text/html", "application/pdf")
 
 
 @dataclass
@@ -33,10 +53,22 @@ class _UploadOperation(Operation):
     """The upload takes multipart ``file`` (+ optional ``title``) or JSON ``{title, text}``."""
 
     def __post_init__(self):
-        text = Schema(type=OpenAPIType.STRING)
+        title = Schema(type=OpenAPIType.STRING, min_length=1, max_length=MAX_TITLE_CHARS)
         self.request_body = RequestBody(
             required=True,
             content={
+                "application/json": OpenAPIMediaType(
+                    schema=Schema(
+                        type=OpenAPIType.OBJECT,
+                        properties={
+                            "title": title,
+                            "text": Schema(type=OpenAPIType.STRING, min_length=1),
+                        },
+                        required=["title", "text"],
+                        additional_properties=False,
+                    ),
+                    examples={"manual": Example(value=_EXAMPLE_MANUAL)},
+                ),
                 "multipart/form-data": OpenAPIMediaType(
                     schema=Schema(
                         type=OpenAPIType.OBJECT,
@@ -46,17 +78,11 @@ class _UploadOperation(Operation):
                                 format=OpenAPIFormat.BINARY,
                                 description="txt, md, html or pdf",
                             ),
-                            "title": text,
+                            "title": title,
                         },
                         required=["file"],
-                    )
-                ),
-                "application/json": OpenAPIMediaType(
-                    schema=Schema(
-                        type=OpenAPIType.OBJECT,
-                        properties={"title": text, "text": text},
-                        required=["title", "text"],
-                    )
+                    ),
+                    encoding={"file": Encoding(content_type=", ".join(_CONTENT_TYPES))},
                 ),
             },
         )
@@ -81,6 +107,7 @@ class ManualController(Controller):
     @post(
         "/",
         operation_class=_UploadOperation,
+        operation_id="createManual",
         status_code=201,
         summary="Upload a manual",
         description=(
@@ -98,7 +125,8 @@ class ManualController(Controller):
                 raise ApiError(400, "invalid_request", "the multipart body needs a 'file' part")
             data = await upload.read()
             await upload.close()
-            name = upload.filename or "upload"
+            # the file's own name: a client's path parts (either separator) are dropped
+            name = PureWindowsPath(upload.filename or "").name or "upload"
             if len(data) > settings.max_upload_bytes:
                 raise ApiError(
                     413,
@@ -107,7 +135,7 @@ class ManualController(Controller):
                     settings.max_upload_bytes,
                 )
             kind = manual_kind(name, upload.content_type)
-            text = extract_manual_text(data, kind, name)
+            text = await asyncio.to_thread(extract_manual_text, data, kind, name)
             title = str(form.get("title") or Path(name).stem or "untitled")
         elif ctype == "application/json":
             raw = await request.body()
@@ -138,13 +166,13 @@ class ManualController(Controller):
         manual, created = await qa.create_manual(tenant, title, text, kind)
         return Response(manual_out(manual), status_code=201 if created else 200)
 
-    @get("/", summary="List manuals")
+    @get("/", summary="List manuals", operation_id="listManuals")
     async def list_manuals(
         self,
         qa: QAService,
         tenant: str,
-        limit: int = Parameter(default=100, ge=1, le=1000),
-        offset: int = Parameter(default=0, ge=0),
+        limit: PageLimit = 100,
+        offset: PageOffset = 0,
     ) -> ManualList:
         async with qa.db.session() as s:
             rows = await s.scalars(
@@ -156,12 +184,16 @@ class ManualController(Controller):
             )
             return ManualList(items=[manual_out(m) for m in rows])
 
-    @get("/{manual_id:str}", summary="Read a manual, its text included")
-    async def get_manual(self, qa: QAService, tenant: str, manual_id: str) -> ManualDetail:
+    @get("/{manual_id:str}", summary="Read a manual, its text included", operation_id="getManual")
+    async def get_manual(self, qa: QAService, tenant: str, manual_id: ManualId) -> ManualDetail:
         return manual_out(await qa.get_manual(tenant, manual_id), detail=True)
 
-    @delete("/{manual_id:str}", summary="Delete a manual and its conversations")
-    async def delete_manual(self, qa: QAService, tenant: str, manual_id: str) -> None:
+    @delete(
+        "/{manual_id:str}",
+        summary="Delete a manual and its conversations",
+        operation_id="deleteManual",
+    )
+    async def delete_manual(self, qa: QAService, tenant: str, manual_id: ManualId) -> None:
         async with qa.db.transaction() as s:
             res = await s.execute(
                 sa_delete(Manual).where(Manual.id == manual_id, Manual.tenant == tenant)
@@ -170,26 +202,37 @@ class ManualController(Controller):
                 raise NotFound("manual", manual_id)
         await qa.unpin(tenant, manual_id)
 
-    @post("/{manual_id:str}/warm", status_code=200, summary="Prefill the manual into the cache")
-    async def warm(self, qa: QAService, tenant: str, manual_id: str) -> WarmOut:
+    @post(
+        "/{manual_id:str}/warm",
+        status_code=200,
+        summary="Prefill the manual into the cache",
+        operation_id="warmManual",
+    )
+    async def warm(self, qa: QAService, tenant: str, manual_id: ManualId) -> WarmOut:
         manual = await qa.get_manual(tenant, manual_id)
         return WarmOut(**(await qa.warm(tenant, manual)))
 
     @post(
         "/{manual_id:str}/pin",
         status_code=200,
+        operation_id="pinManual",
         summary="Keep the manual's prefix in the cache",
         description=(
             "Warms the manual if needed, then keeps its prefix blocks out of eviction until "
             "unpinned, within the pin budget (a share of the KV pool; see /v1/engine)."
         ),
     )
-    async def pin(self, qa: QAService, tenant: str, manual_id: str) -> PinOut:
+    async def pin(self, qa: QAService, tenant: str, manual_id: ManualId) -> PinOut:
         manual = await qa.get_manual(tenant, manual_id)
         return PinOut(**(await qa.pin(tenant, manual)))
 
-    @post("/{manual_id:str}/unpin", status_code=200, summary="Let the manual's prefix be evicted")
-    async def unpin(self, qa: QAService, tenant: str, manual_id: str) -> PinOut:
+    @post(
+        "/{manual_id:str}/unpin",
+        status_code=200,
+        summary="Let the manual's prefix be evicted",
+        operation_id="unpinManual",
+    )
+    async def unpin(self, qa: QAService, tenant: str, manual_id: ManualId) -> PinOut:
         await qa.get_manual(tenant, manual_id)
         await qa.unpin(tenant, manual_id)
         c = qa.runner.counters()

@@ -41,14 +41,19 @@ class OpenAIController(Controller):
     path = "/"
     tags = ["openai"]
 
-    @get("/models", summary="Models served (OpenAI shape)")
+    @get("/models", summary="Models served (OpenAI shape)", operation_id="listModels")
     async def models(self, qa: QAService) -> ModelList:
         qa.runner.require_ready()
         return ModelList(
             data=[ModelCard(id=qa.runner.model_name, created=int(qa.runner.started_at))]
         )
 
-    @post("/chat/completions", status_code=200, summary="Chat completion (OpenAI shape)")
+    @post(
+        "/chat/completions",
+        status_code=200,
+        summary="Chat completion (OpenAI shape)",
+        operation_id="createChatCompletion",
+    )
     async def chat(
         self, qa: QAService, tenant: str, data: ChatCompletionCreate, request: Request
     ) -> Response:

@@ -1,16 +1,20 @@
-"""Request and response bodies (msgspec structs). The ``max_tokens`` cap is the server's
-setting: the service checks it, and ``declare_max_tokens_cap`` writes it into the OpenAPI
-schema as each such field's maximum."""
+"""Request and response bodies (msgspec structs) and the bounds of path and query parameters.
+The ``max_tokens`` cap is the server's setting: the service checks it, and ``app/api/openapi.py``
+writes it into the schema as each such field's maximum."""
 
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
 import msgspec
-from litestar.openapi.spec import OpenAPI, OpenAPIType
+from litestar.params import Parameter
 from msgspec import Meta, Struct
 
 MAX_TITLE_CHARS = 512
 MAX_QUESTION_CHARS = 20_000
+MAX_PAGE = 1000  # items a list returns at most
+MAX_OFFSET = 1_000_000_000  # items a list may skip
+# the ids docqa makes (man_…, conv_…, msg_…, chatcmpl-…), in paths, queries and bodies
+ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,100}$"
 
 CacheMode = Literal["default", "bypass"]
 
@@ -68,8 +72,11 @@ class WarmOut(Struct):
 
 
 # -- conversations -------------------------------------------------------------------------------
+BodyId = Annotated[str, Meta(pattern=ID_PATTERN, description="an id docqa returned")]
+
+
 class ConversationCreate(Struct, forbid_unknown_fields=True):
-    manual_id: str
+    manual_id: BodyId
 
 
 class MessageOut(Struct):
@@ -176,14 +183,27 @@ class ModelList(Struct):
     object: str = "list"
 
 
+# -- parameters ------------------------------------------------------------------------------------
+def path_id(what: str) -> Parameter:
+    return Parameter(pattern=ID_PATTERN, description=f"the id of a {what}")
+
+
+PageLimit = Annotated[int, Parameter(ge=1, le=MAX_PAGE, description="items to return")]
+PageOffset = Annotated[int, Parameter(ge=0, le=MAX_OFFSET, description="items to skip first")]
+ManualId = Annotated[str, path_id("manual")]
+ConversationId = Annotated[str, path_id("conversation")]
+RequestId = Annotated[str, path_id("running answer (the answer object's id)")]
+
+
 # -- questions -------------------------------------------------------------------------------------
 MaxTokens = Annotated[
-    int, Meta(ge=1, description="answer length in tokens, at most the server's cap")
+    int, Meta(ge=1, description="answer length in tokens, at most the server's cap", examples=[8])
 ]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
-Question = Annotated[str, Meta(min_length=1, max_length=MAX_QUESTION_CHARS)]
-MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens")
+Question = Annotated[
+    str, Meta(min_length=1, max_length=MAX_QUESTION_CHARS, examples=["What does -k do?"])
+]
 
 
 class AnswerOptions(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -201,7 +221,7 @@ class MessageCreate(AnswerOptions, kw_only=True):
 
 
 class AskCreate(AnswerOptions, kw_only=True):
-    manual_id: str
+    manual_id: BodyId
     question: Question
 
 
@@ -216,19 +236,6 @@ class ChatCompletionCreate(Struct):
     n: Annotated[int, Meta(ge=1, le=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    manual_id: str | None = None
+    manual_id: BodyId | None = None
     cache: CacheMode = "default"
     ignore_eos: bool = False
-
-
-def declare_max_tokens_cap(openapi: OpenAPI, cap: int) -> None:
-    """Write the server's ``max_tokens`` cap into the schema: the maximum and description of
-    every such integer field of the request bodies."""
-    for schema in (openapi.components.schemas or {}).values():
-        for name, prop in (schema.properties or {}).items():
-            if name not in MAX_TOKENS_FIELDS:
-                continue
-            prop.description = f"answer length in tokens, at most {cap}"
-            for option in [prop, *(getattr(prop, "one_of", None) or [])]:
-                if getattr(option, "type", None) == OpenAPIType.INTEGER:
-                    option.maximum = cap
