@@ -185,6 +185,7 @@ def cmd_serve(args) -> int:
     from app.api.app import create_app
     from app.db.migrate import upgrade
     from app.settings import Settings
+    from app.shutdown import DrainingServer
 
     settings = Settings.from_env(
         model=args.model,
@@ -207,13 +208,14 @@ def cmd_serve(args) -> int:
         args.port,
         "on" if settings.auth_enabled else "off",
     )
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level="warning" if not args.verbose else "info",
         timeout_graceful_shutdown=5,
     )
+    DrainingServer(config, app.state, settings.shutdown_grace_s).run()
     return 0
 
 

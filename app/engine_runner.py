@@ -383,6 +383,17 @@ class EngineRunner:
         await self.call(add)
         return handle
 
+    @property
+    def num_active(self) -> int:
+        """Requests in the engine with a caller waiting for them."""
+        return len(self._active)
+
+    def cancel_all(self) -> None:
+        """Cancel every request in the engine (their callers get finish reason
+        ``cancelled``)."""
+        for rid in list(self._active):
+            self._post(lambda rid=rid: self._abort(rid))
+
     def find(self, request_id: str) -> RequestHandle | None:
         """The handle of a request still in the engine (read from the event loop: the dict is
         only replaced entry by entry, so a lookup is safe)."""

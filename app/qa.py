@@ -120,6 +120,11 @@ class QAService:
         self.registry = None  # ReplicaRegistry when replicas share a Redis
         self._tasks: set[asyncio.Task] = set()
 
+    @property
+    def num_pending(self) -> int:
+        """Answers not yet stored (or given) to their caller."""
+        return len(self._tasks)
+
     # -- tenants and manuals ---------------------------------------------------------------------
     def namespace(self, tenant: str) -> bytes:
         """The cache namespace: the tenant's when auth is on, empty when it is off."""

@@ -112,6 +112,9 @@ class Settings:
     redis_max_gib: float = 2.0  # KV bytes the tier may hold before trimming the oldest
     advertise_url: str | None = None  # how other replicas reach this one
     routing: bool = True  # forward questions to the replica holding the longest prefix
+    # on SIGTERM, how long answers in flight may run on before they are cancelled (stored as
+    # such) and the process exits; new requests get 503 meanwhile
+    shutdown_grace_s: float = 30.0
 
     def __post_init__(self):
         if self.max_tokens_cap < 1:
@@ -131,6 +134,10 @@ class Settings:
             raise ConfigError(f"DOCQA_REDIS_TTL_S must be at least 1, got {self.redis_ttl_s}")
         if self.redis_max_gib <= 0:
             raise ConfigError(f"DOCQA_REDIS_MAX_GIB must be positive, got {self.redis_max_gib}")
+        if not 0 <= self.shutdown_grace_s <= 3600:
+            raise ConfigError(
+                f"DOCQA_SHUTDOWN_GRACE_S must be between 0 and 3600, got {self.shutdown_grace_s}"
+            )
 
     def tier_config(self):
         """The engine's second-tier settings, or None without DOCQA_REDIS_URL."""
@@ -164,6 +171,7 @@ class Settings:
             redis_max_gib=_env_number("DOCQA_REDIS_MAX_GIB", float, 2.0),
             advertise_url=env.get("DOCQA_ADVERTISE_URL") or None,
             routing=_env_flag("DOCQA_ROUTING", True),
+            shutdown_grace_s=_env_number("DOCQA_SHUTDOWN_GRACE_S", float, 30.0),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         if "database_url" in overrides and overrides["database_url"]:

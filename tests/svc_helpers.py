@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -270,3 +272,60 @@ def make_pdf_bomb(lines_per_page: int, pages: int = 1) -> bytes:
         out += b"%010d 00000 n \n" % off
     out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objs) + 1, xref)
     return bytes(out)
+
+
+def _pg_bin(name: str) -> str:
+    found = shutil.which(name) or next(
+        iter(sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"))), None
+    )
+    if found is None:
+        raise RuntimeError(f"the PostgreSQL binary {name} is required for this test")
+    return str(found)
+
+
+class PostgresServer:
+    """A PostgreSQL instance of one test (initdb in its folder, a free port, trust auth), so the
+    test may stop and start it. Runs as the ``postgres`` user when the tests run as root."""
+
+    def __init__(self):
+        # its own folder, outside pytest's (which other users cannot enter)
+        self.base = Path(tempfile.mkdtemp(prefix="docqa-pg-"))
+        self.base.chmod(0o755)
+        self.port = free_port()
+        self.data = self.base / "pgdata"
+        self.sockets = self.base / "pgsock"
+        self.log = self.base / "postgres.log"
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _run(self, *cmd: str) -> None:
+        if os.geteuid() == 0:
+            cmd = ("runuser", "-u", "postgres", "--", *cmd)
+        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+
+    def start(self) -> PostgresServer:
+        if not self.data.exists():
+            for d in (self.data, self.sockets):
+                d.mkdir(parents=True)
+                if os.geteuid() == 0:
+                    shutil.chown(d, "postgres", "postgres")
+            self.log.touch()
+            if os.geteuid() == 0:
+                shutil.chown(self.log, "postgres", "postgres")
+            self._run(_pg_bin("initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust")
+        opts = f"-p {self.port} -k {self.sockets} -c listen_addresses=127.0.0.1"
+        self._run(
+            _pg_bin("pg_ctl"), "-D", str(self.data), "-l", str(self.log), "-o", opts, "-w", "start"
+        )
+        return self
+
+    def stop(self) -> None:
+        if (self.data / "postmaster.pid").exists():
+            self._run(_pg_bin("pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop")
+
+    def close(self) -> None:
+        """Stop it and remove its folder."""
+        self.stop()
+        shutil.rmtree(self.base, ignore_errors=True)

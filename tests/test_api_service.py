@@ -56,6 +56,39 @@ def test_tenants_share_nothing(pg_server):
         assert a.get(f"/v1/manuals/{ma['id']}").status_code == 200
 
 
+def test_a_tenant_cannot_tell_by_timing_whether_another_holds_a_prefix(pg_server):
+    """Tenant b's first question about a manual tenant a has cached takes as long as the same
+    question computed cold (cache bypassed); within one tenant, the positive control, a cached
+    question takes a fraction of its cold time. Another tenant's id is refused as an unknown one
+    is, word for word."""
+    import statistics
+
+    ratios_b, ratios_a = [], []
+    with pg_server.client("key-a") as a, pg_server.client("key-b") as b:
+        for i in range(3):
+            text = f"Timing {uuid.uuid4().hex}\n\n{SAMPLE}"
+            ma = a.post("/v1/manuals", json={"title": "t", "text": text}).json()
+            mb = b.post("/v1/manuals", json={"title": "t", "text": text}).json()
+            ask(a, ma["id"], "How do I list an archive?")  # tenant a caches the manual
+            q = f"Question {i}: which option compresses the archive?"
+            warm_a = ask(a, ma["id"], q)
+            cold_a = ask(a, ma["id"], q, cache="bypass")
+            first_b = ask(b, mb["id"], q)
+            cold_b = ask(b, mb["id"], q, cache="bypass")
+            # b's own earlier questions may have cached the system instructions, never a's
+            # manual
+            assert first_b["usage"]["cached_tokens"] < 0.2 * prefix_tokens(b, mb["id"])
+            ratios_a.append(warm_a["timings"]["ttft_ms"] / cold_a["timings"]["ttft_ms"])
+            ratios_b.append(first_b["timings"]["ttft_ms"] / cold_b["timings"]["ttft_ms"])
+        mine, theirs = b.get(f"/v1/manuals/{ma['id']}"), b.get("/v1/manuals/man_nobody")
+    assert statistics.median(ratios_a) < 0.5, ratios_a  # the control sees the cache
+    assert 0.6 < statistics.median(ratios_b) < 1.7, ratios_b  # b sees no difference
+    assert mine.status_code == theirs.status_code == 404
+    assert mine.json()["error"]["message"].replace(ma["id"], "X") == theirs.json()["error"][
+        "message"
+    ].replace("man_nobody", "X")
+
+
 def test_api_keys(pg_server):
     with pg_server.client() as anon, pg_server.client("wrong") as bad:
         for c in (anon, bad):

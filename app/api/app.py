@@ -13,7 +13,7 @@ from litestar.openapi.plugins import SwaggerRenderPlugin
 from litestar.openapi.spec import Components, SecurityScheme
 
 from app.api.conversations import AskController, ConversationController, RequestController
-from app.api.deps import auth_guard, provide_qa, provide_tenant
+from app.api.deps import auth_guard, not_draining, provide_qa, provide_tenant
 from app.api.errors import EXCEPTION_HANDLERS, error_response
 from app.api.manuals import ManualController
 from app.api.openai_compat import OpenAIController
@@ -71,8 +71,9 @@ async def redis_tier_status(state: State) -> str:
 async def ready(state: State) -> Response:
     """A missing Redis only degrades caching: readiness stays 200 and reports the tier."""
     runner: EngineRunner = state.runner
+    draining = state.get("draining", False)
     body = {
-        "status": "ready" if runner.ready else runner.state,
+        "status": "draining" if draining else "ready" if runner.ready else runner.state,
         "model": runner.model_name,
         "tiers": {"device": "ok", "redis": await redis_tier_status(state)},
     }
@@ -81,7 +82,7 @@ async def ready(state: State) -> Response:
         body["replica"] = {"id": registry.id, "url": registry.url, "registered": registry.up}
     if runner.error:
         body["error"] = runner.error
-    if not runner.ready:
+    if draining or not runner.ready:
         return Response(body, status_code=503, headers={"Retry-After": "5"})
     return Response(body)
 
@@ -205,7 +206,7 @@ def create_app(settings: Settings | None = None, runner: EngineRunner | None = N
             OpenAIController,
             engine_info,
         ],
-        guards=[auth_guard],
+        guards=[not_draining, auth_guard],
         dependencies={
             "tenant": Provide(provide_tenant, sync_to_thread=False),
             "qa": Provide(provide_qa, sync_to_thread=False),

@@ -9,6 +9,7 @@ from litestar.datastructures import State
 from litestar.handlers.base import BaseRouteHandler
 
 from app.api.errors import ApiError
+from app.engine_runner import EngineNotReady
 from app.qa import DEFAULT_TENANT, QAService
 
 
@@ -38,6 +39,12 @@ def auth_guard(connection: ASGIConnection, _handler: BaseRouteHandler) -> None:
             401, "unauthorized", "the API key is not valid", headers={"WWW-Authenticate": "Bearer"}
         )
     connection.state.tenant = tenant
+
+
+def not_draining(connection: ASGIConnection, _handler: BaseRouteHandler) -> None:
+    """While the server drains for shutdown (app/shutdown.py), new requests get 503."""
+    if connection.app.state.get("draining"):
+        raise EngineNotReady("the server is shutting down; retry on another replica or later")
 
 
 def provide_tenant(request: ASGIConnection) -> str:
