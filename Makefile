@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint bench
+.PHONY: install serve test lint bench browser
 
 install: $(STAMP)
 
@@ -18,7 +18,16 @@ $(STAMP): pyproject.toml
 serve: install
 	$(BIN)/docqa serve
 
-test: install
+# the browser tests drive Debian's headless Chromium through chromedriver
+BROWSER_PKGS := chromium chromium-driver
+
+browser:
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		apt-get update -qq && apt-get install -y -qq --no-install-recommends $(BROWSER_PKGS); \
+	else echo "the browser tests need: apt-get install $(BROWSER_PKGS)"; fi
+
+test: install browser
 	$(BIN)/python -m pytest -q
 
 lint: install

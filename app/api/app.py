@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
-from litestar import Litestar, Response, Router, get
+from litestar import Litestar, MediaType, Response, Router, get
 from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import SwaggerRenderPlugin
 from litestar.openapi.spec import Components, SecurityScheme
+from litestar.static_files import create_static_files_router
 
 from app.api.conversations import AskController, ConversationController, RequestController
 from app.api.deps import auth_guard, not_draining, provide_qa, provide_tenant
@@ -31,6 +33,15 @@ from inference.model.config import dtype_name
 log = logging.getLogger("docqa.api")
 
 MAX_MULTIPART_PARTS = 16  # an upload has two (file, title)
+
+
+WEB = Path(__file__).resolve().parent.parent / "web"  # the page's files
+
+
+@get("/", include_in_schema=False, media_type=MediaType.HTML)
+async def page() -> Response:
+    """The page for people (app/web): manuals, questions, and what the cache saved."""
+    return Response((WEB / "index.html").read_bytes(), media_type=MediaType.HTML)
 
 
 @get("/health", tags=["system"], summary="Liveness", operation_id="health")
@@ -233,7 +244,14 @@ def create_app(settings: Settings | None = None, runner: EngineRunner | None = N
         ),
     )
     return Litestar(
-        route_handlers=[health, ready, metrics, v1],
+        route_handlers=[
+            page,
+            create_static_files_router(path="/static", directories=[WEB], include_in_schema=False),
+            health,
+            ready,
+            metrics,
+            v1,
+        ],
         state=State(
             {
                 "settings": settings,

@@ -1,0 +1,169 @@
+"""The page at / in headless Chromium against a real ``docqa serve``: a manual uploaded through
+the page, two questions (the second reads its manual from the cache), a third cancelled
+mid-stream, an upload error, the cold comparison and the engine panel; and with API keys on,
+the key asked for, a wrong one refused, the right one used."""
+
+from __future__ import annotations
+
+import shutil
+import time
+import uuid
+
+import pytest
+from test_api import SAMPLE
+
+pytestmark = pytest.mark.slow
+
+
+def _chromium():
+    """A headless Chromium through chromedriver (Debian's chromium and chromium-driver, which
+    ``make install`` installs); fails, never skips, without them."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    if browser is None or driver is None:
+        raise RuntimeError("the browser test needs Chromium and chromedriver (make install)")
+    opts = Options()
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage"):
+        opts.add_argument(arg)
+    opts.add_argument("--window-size=1400,1000")
+    opts.binary_location = browser
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(service=Service(driver), options=opts)
+
+
+@pytest.fixture
+def browser():
+    d = _chromium()
+    yield d
+    d.quit()
+
+
+def _wait(d, what, timeout: float = 120):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(d, timeout, poll_frequency=0.05).until(lambda d: what(d))
+
+
+def _by(css: str):
+    from selenium.webdriver.common.by import By
+
+    return By.CSS_SELECTOR, css
+
+
+def _answers(d):
+    return d.find_elements(*_by("li.answer"))
+
+
+def _ask(d, question: str, max_tokens: int = 24) -> None:
+    box = d.find_element(*_by("#max-tokens"))
+    box.clear()
+    box.send_keys(str(max_tokens))
+    d.find_element(*_by("#question")).send_keys(question)
+    d.find_element(*_by("#ask")).click()
+
+
+def _finished(d, n: int):
+    answers = _answers(d)
+    return len(answers) >= n and answers[n - 1].get_attribute("data-finish-reason")
+
+
+def _console_problems(d, expected_statuses: tuple[int, ...]) -> list[dict]:
+    """Browser log entries that are errors: any from the page's scripts, and any failed load
+    but the responses the test provoked on purpose."""
+    out = []
+    for entry in d.get_log("browser"):
+        if entry["level"] != "SEVERE":
+            continue
+        expected = any(f"status of {s} " in entry["message"] for s in expected_statuses)
+        if entry.get("source") == "network" and expected:
+            continue
+        out.append(entry)
+    return out
+
+
+def test_the_page_asks_streams_cancels_and_shows_what_the_cache_saved(
+    sqlite_server, browser, tokenizer, tmp_path
+):
+    d = browser
+    d.get(sqlite_server.url + "/")
+    # upload a manual through the file picker
+    manual = tmp_path / "washer.md"
+    manual.write_text(f"Revision {uuid.uuid4().hex}\n\n{SAMPLE}")
+    d.find_element(*_by("#file")).send_keys(str(manual))
+    _wait(d, lambda d: "tokens" in d.find_element(*_by("#upload-status")).text)
+    assert d.find_element(*_by("#manual-list li.selected .title")).text == "washer"
+    # two questions: the second reads the manual (and the first turn) from the cache
+    _ask(d, "Which option compresses the archive?")
+    _wait(d, lambda d: _finished(d, 1))
+    second = "How do I keep existing files?"
+    _ask(d, second)
+    seen = set()  # the answer's text as it streams in
+    _wait(d, lambda d: seen.add(_answers(d)[-1].text) or _finished(d, 2))
+    answer = _answers(d)[1]
+    prompt = int(answer.get_attribute("data-prompt-tokens"))
+    cached = int(answer.get_attribute("data-cached-tokens"))
+    before_question = prompt - len(tokenizer.encode(second))
+    assert cached >= 0.95 * before_question, (cached, before_question)
+    share = round(100 * cached / prompt)
+    assert f"{cached:,} cached ({share}%" in answer.text
+    assert "TTFT" in answer.text and "TPOT" in answer.text and "the cache saved" in answer.text
+    assert len(seen) > 2  # it grew token by token before the answer was whole
+    # the same question computed cold, beside it
+    answer.find_element(*_by(".compare-button")).click()
+    _wait(d, lambda d: answer.find_elements(*_by(".compare[data-cold-ttft]")))
+    compare = answer.find_element(*_by(".compare")).text
+    assert "as answered" in compare and "computed cold" in compare
+    # a third, stopped mid-stream
+    _ask(d, "Describe every option of tarx in detail.", max_tokens=400)
+    _wait(d, lambda d: len(_answers(d)) == 3 and len(_answers(d)[2].text) > 20)
+    d.find_element(*_by("#stop")).click()
+    _wait(d, lambda d: _finished(d, 3))
+    third = _answers(d)[2]
+    assert third.get_attribute("data-finish-reason") == "cancelled"
+    assert third.find_element(*_by(".badge.status")).text == "cancelled"
+    # an empty file: the server's message
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    d.find_element(*_by("#file")).send_keys(str(empty))
+    _wait(d, lambda d: "empty" in d.find_element(*_by("#upload-status")).text)
+    status = d.find_element(*_by("#upload-status"))
+    assert status.text == "empty.txt is empty" and "error" in status.get_attribute("class")
+    # the engine panel, refreshed from /v1/engine and /metrics; the chart has its points
+    _wait(d, lambda d: "Answers served" in d.find_element(*_by("#engine-stats")).text)
+    stats = d.find_element(*_by("#engine-stats")).text
+    assert "KV capacity" in stats and "Cache hit rate" in stats and "Concurrency at" in stats
+    assert d.find_elements(*_by("#ttft-chart circle.warm"))
+    assert d.find_elements(*_by("#ttft-chart circle.cold"))
+    time.sleep(0.5)
+    d.save_screenshot(str(tmp_path / "page.png"))
+    assert (tmp_path / "page.png").stat().st_size > 10_000
+    assert _console_problems(d, expected_statuses=(400,)) == []
+
+
+def test_the_page_asks_for_a_key_and_refuses_a_wrong_one(pg_server, browser):
+    d = browser
+    d.get(pg_server.url + "/")
+    status = d.find_element(*_by("#key-status"))
+    _wait(d, lambda d: "needs an API key" in status.text)
+    key = d.find_element(*_by("#api-key"))
+    key.send_keys("not-a-key")
+    d.find_element(*_by("#key-form button")).click()
+    _wait(d, lambda d: "not valid" in status.text)
+    assert "error" in status.get_attribute("class")
+    assert d.find_elements(*_by("#manual-list li")) == []
+    key.clear()
+    key.send_keys("key-a")
+    d.find_element(*_by("#key-form button")).click()
+    _wait(d, lambda d: status.text == "key accepted")
+    # tenant a's manuals only, and the key is kept for the next visit
+    with pg_server.client("key-a") as a, pg_server.client("key-b") as b:
+        mine = a.post("/v1/manuals", json={"title": "mine", "text": uuid.uuid4().hex}).json()
+        theirs = b.post("/v1/manuals", json={"title": "theirs", "text": uuid.uuid4().hex}).json()
+    d.refresh()
+    _wait(d, lambda d: d.find_elements(*_by(f"li[data-manual-id='{mine['id']}']")))
+    assert not d.find_elements(*_by(f"li[data-manual-id='{theirs['id']}']"))
+    assert _console_problems(d, expected_statuses=(401,)) == []
