@@ -132,6 +132,24 @@ def test_the_page_asks_streams_cancels_and_shows_what_the_cache_saved(
     _wait(d, lambda d: "empty" in d.find_element(*_by("#upload-status")).text)
     status = d.find_element(*_by("#upload-status"))
     assert status.text == "empty.txt is empty" and "error" in status.get_attribute("class")
+    # a manual dropped on the page (a drop event carrying a file), then deleted from the list
+    d.execute_script(
+        """
+        const dt = new DataTransfer();
+        dt.items.add(new File([arguments[0]], "dropped.txt", {type: "text/plain"}));
+        document.getElementById("drop").dispatchEvent(
+            new DragEvent("drop", {dataTransfer: dt, bubbles: true, cancelable: true}));
+        """,
+        f"Dropped manual {uuid.uuid4().hex}. Press START to begin.",
+    )
+    _wait(d, lambda d: "dropped:" in d.find_element(*_by("#upload-status")).text)
+    dropped = d.find_element(*_by("#manual-list li.selected"))
+    assert dropped.find_element(*_by(".title")).text == "dropped"
+    dropped_id = dropped.get_attribute("data-manual-id")
+    dropped.find_element(*_by(".delete")).click()
+    _wait(d, lambda d: not d.find_elements(*_by(f"li[data-manual-id='{dropped_id}']")))
+    with sqlite_server.client() as c:
+        assert c.get(f"/v1/manuals/{dropped_id}").status_code == 404
     # the engine panel, refreshed from /v1/engine and /metrics; the chart has its points
     _wait(d, lambda d: "Answers served" in d.find_element(*_by("#engine-stats")).text)
     stats = d.find_element(*_by("#engine-stats")).text
