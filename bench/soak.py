@@ -208,26 +208,22 @@ class Soak:
         return answer
 
     def cancel(self, c, rng) -> None:
+        self.stop_a_turn(c, rng, "cancel")
+
+    def disconnect(self, c, rng) -> None:
+        self.stop_a_turn(c, rng, "disconnect")
+
+    def stop_a_turn(self, c, rng, how: str) -> None:
+        """A long streamed turn stopped at its first token (``stream``'s ``stop_after``)."""
         conv = self.pick_conversation(rng)
         if conv is None:
             return
         path = f"/v1/conversations/{conv[0]}/messages"
         body = {"content": "Describe everything.", "max_tokens": 200, "ignore_eos": True}
-        answer = self.stream(c, path, body, stop_after="cancel")
+        answer = self.stream(c, path, body, stop_after=how)
         if answer.get("id"):
             with self.lock:
                 self.partial_turns[answer["id"]] = conv[0]
-
-    def disconnect(self, c, rng) -> None:
-        conv = self.pick_conversation(rng)
-        if conv is None:
-            return
-        path = f"/v1/conversations/{conv[0]}/messages"
-        body = {"content": "Describe everything.", "max_tokens": 200, "ignore_eos": True}
-        dropped = self.stream(c, path, body, stop_after="disconnect")
-        if dropped.get("id"):
-            with self.lock:
-                self.partial_turns[dropped["id"]] = conv[0]
 
     def delete_while_asking(self, c, rng) -> None:
         mid = self.upload(c, rng)

@@ -224,6 +224,11 @@ def make_pdf(lines: list[str]) -> bytes:
         b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream",
         b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
     ]
+    return _pdf_file(objs)
+
+
+def _pdf_file(objs: list[bytes]) -> bytes:
+    """A PDF of these objects (numbered from 1, the catalog first), with a correct xref."""
     out = bytearray(b"%PDF-1.4\n")
     offsets = []
     for i, body in enumerate(objs, 1):
@@ -261,17 +266,7 @@ def make_pdf_bomb(lines_per_page: int, pages: int = 1) -> bytes:
             + b"\nendstream"
         )
     objs.append(b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>")
-    out = bytearray(b"%PDF-1.4\n")
-    offsets = []
-    for i, body in enumerate(objs, 1):
-        offsets.append(len(out))
-        out += b"%d 0 obj\n" % i + body + b"\nendobj\n"
-    xref = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objs) + 1)
-    for off in offsets:
-        out += b"%010d 00000 n \n" % off
-    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objs) + 1, xref)
-    return bytes(out)
+    return _pdf_file(objs)
 
 
 def _pg_bin(name: str) -> str:

@@ -126,6 +126,13 @@ def test_the_database_stopping_and_starting_under_load(default_model_dir, tmp_pa
     assert sorted(ids) == sorted(answered)
 
 
+def _wait_for_tier(c, status: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while c.get("/ready").json()["tiers"]["redis"] != status:
+        assert time.monotonic() < deadline, f"the Redis tier was not reported {status}"
+        time.sleep(0.1)
+
+
 def test_redis_killed_and_restarted_under_load(default_model_dir, tmp_path):
     redis = RedisServer(tmp_path).start()
     srv = Server(tmp_path, f"sqlite:///{tmp_path / 'r.db'}", name="redis-outage")
@@ -137,17 +144,11 @@ def test_redis_killed_and_restarted_under_load(default_model_dir, tmp_path):
             with Load(srv, convs, manual_id) as load:
                 load.wait(lambda rs: len(rs) >= 6)
                 redis.stop()  # SIGKILL
-                deadline = time.monotonic() + 30
-                while c.get("/ready").json()["tiers"]["redis"] != "degraded":
-                    assert time.monotonic() < deadline, "the tier was not reported degraded"
-                    time.sleep(0.1)
+                _wait_for_tier(c, "degraded")
                 during = len(load.results)
                 load.wait(lambda rs: len(rs) >= during + 6)
                 redis.start()  # the same port
-                deadline = time.monotonic() + 30
-                while c.get("/ready").json()["tiers"]["redis"] != "ok":
-                    assert time.monotonic() < deadline, "the tier did not come back"
-                    time.sleep(0.1)
+                _wait_for_tier(c, "ok")
                 after = len(load.results)
                 load.wait(lambda rs: len(rs) >= after + 6)
             assert metrics(c)["docqa:redis_tier_up"] == 1

@@ -36,16 +36,18 @@ async function api(path, { method = "GET", json, form } = {}) {
     init.body = form;
   }
   const r = await fetch(path, init);
-  if (!r.ok) {
-    let error = {};
-    try {
-      error = (await r.json()).error || {};
-    } catch {
-      // not a JSON body: the status says enough
-    }
-    throw new ApiError(r.status, error);
-  }
+  if (!r.ok) throw await errorOf(r);
   return r.status === 204 ? null : r.json();
+}
+
+async function errorOf(r) {
+  let error = {};
+  try {
+    error = (await r.json()).error || {};
+  } catch {
+    // not a JSON body: the status says enough
+  }
+  return new ApiError(r.status, error);
 }
 
 function describe(e) {
@@ -308,15 +310,7 @@ async function ask(question) {
       }),
       signal: controller.signal,
     });
-    if (!r.ok) {
-      let error = {};
-      try {
-        error = (await r.json()).error || {};
-      } catch {
-        // not JSON
-      }
-      throw new ApiError(r.status, error);
-    }
+    if (!r.ok) throw await errorOf(r);
     state.running.requestId = r.headers.get("X-Request-Id");
     li.dataset.requestId = state.running.requestId || "";
     await readEvents(r, {
