@@ -102,6 +102,10 @@ class EngineRunner:
     """Loads the model in its own thread (``state``: loading -> ready | failed), then runs the
     step loop there until ``stop``."""
 
+    # how long the engine thread sleeps when a step ran nothing (every request waiting for
+    # blocks) before it tries again, unless a command wakes it
+    IDLE_WAIT_S = 0.05
+
     def __init__(
         self,
         model: str | Path | None = None,
@@ -156,10 +160,6 @@ class EngineRunner:
     def ready(self) -> bool:
         return self.state == "ready" and self._thread.is_alive()
 
-    # how long the engine thread sleeps when a step ran nothing (every request waiting on
-    # blocks or on a second-tier lookup) before it tries again, unless a command wakes it
-    IDLE_WAIT_S = 0.05
-
     def _main(self) -> None:
         try:
             t0 = time.perf_counter()
@@ -211,8 +211,8 @@ class EngineRunner:
                 continue
             ran = engine.last_step
             self._publish(finished)
-            if ran is None and not finished:
-                self._idle()
+            if ran is None and not finished and not engine.waiting_on_tier:
+                self._idle()  # (a step waiting on the second tier waited on its lookups)
             elif self.observer is not None and ran is not None:
                 self.observer.observe_step(*ran, time.perf_counter() - t0)
         self._fail_all(EngineNotReady("the server is shutting down"))

@@ -191,6 +191,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
+    @property
+    def waiting_on_tier(self) -> bool:
+        """Requests are held back for second-tier lookups in flight."""
+        return self.tier_io is not None and self.tier_io.has_pending
+
     # -- pins and the second tier -----------------------------------------------------------------
     def pin(self, key: str, token_ids: list[int], namespace: bytes = b"") -> int:
         """``PinTable.pin``: the cached full blocks of ``token_ids`` held under ``key``."""

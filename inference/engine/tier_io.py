@@ -40,6 +40,10 @@ class TierIO:
     def up(self) -> bool:
         return self.tier.up
 
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
     def start_lookup(self, req: Request) -> None:
         """Ask the tier for the prompt's blocks past the local pool's longest prefix; the
         request is admitted once the answer is in (``install_ready``)."""
