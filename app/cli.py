@@ -40,18 +40,10 @@ def cmd_kv_budget(args) -> int:
     import torch
 
     from inference.kv_sizing import KNOWN_CONFIGS, format_bytes, kv_bytes_per_token
-    from inference.model.config import dtype_name, parse_dtype
+    from inference.model.config import dtype_name, parse_dtype, read_config_json
 
     if args.config:
-        p = Path(args.config)
-        if p.is_dir():
-            p = p / "config.json"
-        if not p.is_file():
-            raise DocqaError(f"no config.json at {p}")
-        try:
-            d = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise DocqaError(f"{p} is not valid JSON ({e})") from None
+        p, d = read_config_json(args.config)
         label = str(p)
     else:
         name = (args.name or "smollm2-135m").lower()

@@ -44,6 +44,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+from svc_helpers import Server, sse_events  # noqa: E402
 
 SAMPLE = (ROOT / "app" / "samples" / "tarx-manual.md").read_text()
 QUESTIONS = [
@@ -190,21 +191,18 @@ class Soak:
                 return answer
             with self.lock:
                 self.statuses[200] += 1
-            event = None
-            for line in r.iter_lines():
-                if line.startswith("event: "):
-                    event = line[7:]
-                    if event == "token" and stop_after == "disconnect":
-                        return {"id": r.headers.get("x-request-id"), "finish_reason": "dropped"}
-                    if event == "token" and stop_after == "cancel":
-                        stop_after = None
-                        rid = r.headers["x-request-id"]
-                        self.record(c.post(f"/v1/requests/{rid}/cancel"), "cancel")
-                elif line.startswith("data: ") and event == "answer":
-                    answer = json.loads(line[6:])
-                elif line.startswith("data: ") and event == "error":
+            for event, data in sse_events(r):
+                if event == "token" and stop_after == "disconnect":
+                    return {"id": r.headers.get("x-request-id"), "finish_reason": "dropped"}
+                if event == "token" and stop_after == "cancel":
+                    stop_after = None
+                    rid = r.headers["x-request-id"]
+                    self.record(c.post(f"/v1/requests/{rid}/cancel"), "cancel")
+                elif event == "answer":
+                    answer = data
+                elif event == "error":
                     with self.lock:
-                        self.unexplained.append(f"stream error {path}: {line[6:200]}")
+                        self.unexplained.append(f"stream error {path}: {json.dumps(data)[:200]}")
         return answer
 
     def cancel(self, c, rng) -> None:
@@ -408,8 +406,6 @@ def main() -> int:
     if args.url:
         url, rss = args.url, (lambda: None)
     else:
-        from svc_helpers import Server
-
         tmp = Path(tempfile.mkdtemp(prefix="docqa-soak-"))
         srv = Server(tmp, f"sqlite:///{tmp / 'soak.db'}", name="soak").start()
         url, rss = srv.url, rss_of(srv.proc.pid)

@@ -4,6 +4,7 @@ database, metrics parsing, and small documents (PDF, HTML) built in memory."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
@@ -199,6 +200,17 @@ class RedisServer:
         if self.proc and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def sse_events(response: httpx.Response):
+    """The native server-sent events of a streamed response, as they arrive: (event name or
+    None, its JSON data)."""
+    event = None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            event = line[7:]
+        elif line.startswith("data: "):
+            yield event, json.loads(line[6:])
 
 
 def computed_total(client: httpx.Client) -> float:

@@ -8,7 +8,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from svc_helpers import computed_total, metrics
+from svc_helpers import computed_total, metrics, sse_events
 
 pytestmark = pytest.mark.slow
 
@@ -195,12 +195,7 @@ def test_streaming_answer(api):
     with api.stream("POST", f"/v1/conversations/{conv['id']}/messages", json=body) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
-        event = None
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                event = line[7:]
-            elif line.startswith("data: "):
-                events.append((event, json.loads(line[6:])))
+        events += sse_events(r)
     kinds = [e for e, _ in events]
     assert kinds[-1] == "answer" and set(kinds[:-1]) == {"token"}
     final = events[-1][1]

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from svc_helpers import Server, computed_total
+from svc_helpers import Server, computed_total, sse_events
 from test_api import SAMPLE, ask
 
 pytestmark = pytest.mark.slow
@@ -57,14 +56,10 @@ def test_cancel_a_running_answer(pg_server):
                 s.stream("POST", f"/v1/conversations/{conv['id']}/messages", json=body) as r,
             ):
                 rid.append(r.headers["x-request-id"])
-                event = None
-                for line in r.iter_lines():
-                    if line.startswith("event: "):
-                        event = line[7:]
-                    elif line.startswith("data: "):
-                        events.append((event, json.loads(line[6:])))
-                        if len(events) >= 3:
-                            got_tokens.set()
+                for ev in sse_events(r):
+                    events.append(ev)
+                    if len(events) >= 3:
+                        got_tokens.set()
 
         t = threading.Thread(target=stream)
         t.start()
@@ -197,12 +192,9 @@ def _streamed_answer(srv, path: str, body: dict) -> dict:
     last = None
     with srv.client() as c, c.stream("POST", path, json={**body, "stream": True}) as r:
         assert r.status_code == 200, r.read()
-        event = None
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                event = line[7:]
-            elif line.startswith("data: ") and event in ("answer", "error"):
-                last = (event, json.loads(line[6:]))
+        for event, data in sse_events(r):
+            if event in ("answer", "error"):
+                last = (event, data)
     return last
 
 

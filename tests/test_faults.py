@@ -6,14 +6,13 @@ period) and a clean exit."""
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
 import time
 import uuid
 
 import pytest
-from svc_helpers import PostgresServer, RedisServer, Server, metrics
+from svc_helpers import PostgresServer, RedisServer, Server, metrics, sse_events
 from test_api import SAMPLE
 
 pytestmark = pytest.mark.slow
@@ -162,14 +161,11 @@ def test_redis_killed_and_restarted_under_load(default_model_dir, tmp_path):
 def _stream(srv: Server, path: str, body: dict, first: threading.Event, out: list) -> None:
     """A streamed question: sets ``first`` at the first token, appends the final event."""
     with srv.client(timeout=120) as c, c.stream("POST", path, json={**body, "stream": True}) as r:
-        event = None
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                event = line[7:]
-                if event == "token":
-                    first.set()
-            elif line.startswith("data: ") and event in ("answer", "error"):
-                out.append((event, json.loads(line[6:])))
+        for event, data in sse_events(r):
+            if event == "token":
+                first.set()
+            elif event in ("answer", "error"):
+                out.append((event, data))
 
 
 def test_sigterm_lets_running_answers_finish_and_refuses_new_ones(default_model_dir, tmp_path):

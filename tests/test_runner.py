@@ -46,7 +46,7 @@ def test_input_buffers_hold_what_the_metadata_of_lists_holds():
     for name in ("slot_mapping", "block_tables", "seq_lens", "cu_seqlens_q"):
         assert torch.equal(getattr(x.meta, name), getattr(want, name)), name
     assert x.meta.is_decode_list == [False, True] and x.meta.num_blocks_list == [3, 2]
-    assert x.logits_indices.tolist() == [5, 6] and x.sampling == [a, b]
+    assert x.logits_indices.tolist() == [5, 6] and wide.sampling == [a, b]
     narrow = SchedulerOutput([ScheduledChunk(b, 1, 5, [2, 8], True, True)], [])
     x = bufs.prepare(narrow)
     assert x.meta.block_tables.tolist() == [[2, 8]]

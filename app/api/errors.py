@@ -37,6 +37,15 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
+def error_body(code: str, message: str, limit: int | float | None = None) -> dict:
+    """``{"error": {"code", "message", "limit"}}``, the limit where one applies: the body of an
+    error response and of a stream's error event."""
+    body: dict = {"code": code, "message": message}
+    if limit is not None:
+        body["limit"] = limit
+    return {"error": body}
+
+
 def error_response(
     status: int,
     code: str,
@@ -44,10 +53,7 @@ def error_response(
     limit: int | float | None = None,
     headers: dict[str, str] | None = None,
 ) -> Response:
-    body: dict = {"code": code, "message": message}
-    if limit is not None:
-        body["limit"] = limit
-    return Response({"error": body}, status_code=status, headers=headers or {})
+    return Response(error_body(code, message, limit), status_code=status, headers=headers or {})
 
 
 def _api_error(_req: Request, exc: ApiError) -> Response:

@@ -12,8 +12,9 @@ import uuid
 import msgspec
 from litestar import Controller, Request, Response, get, post
 
+from app.api.errors import error_body
 from app.api.schemas import ChatCompletionCreate, ChatMessage, ModelCard, ModelList
-from app.api.streaming import EventStream, error_body, forwarded, sse
+from app.api.streaming import EventStream, forwarded, sse
 from app.errors import NotFound, ServiceError
 from app.qa import AnswerDone, AnswerFailed, Job, QAService, TokenText
 from prompts import BuiltPrompt, Turn
@@ -141,16 +142,16 @@ class OpenAIController(Controller):
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
 
         async def chunks():
+            head = {
+                "id": job.request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+            }
+
             def chunk(delta, finish=None, **extra):
-                c = {
-                    "id": job.request_id,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-                }
-                c.update(extra)
-                return sse(None, c)
+                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+                return sse(None, {**head, "choices": [choice], **extra})
 
             events = qa.events(handle, task)
             try:
@@ -166,18 +167,8 @@ class OpenAIController(Controller):
                         timings = msgspec.to_builtins(a.timings)
                         yield chunk({}, _FINISH.get(a.finish_reason, "stop"), timings=timings)
                         if include_usage:
-                            yield sse(
-                                None,
-                                {
-                                    "id": job.request_id,
-                                    "object": "chat.completion.chunk",
-                                    "created": created,
-                                    "model": model,
-                                    "choices": [],
-                                    "usage": _usage(a),
-                                    "timings": timings,
-                                },
-                            )
+                            usage = {"usage": _usage(a), "timings": timings}
+                            yield sse(None, {**head, "choices": [], **usage})
                 yield b"data: [DONE]\n\n"
             finally:  # a client gone: the request is cancelled
                 await events.aclose()

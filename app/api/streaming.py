@@ -10,6 +10,7 @@ import msgspec
 from litestar import Request
 from litestar.response import Stream
 
+from app.api.errors import error_body
 from app.qa import AnswerDone, AnswerFailed, Event, Job, QAService, TokenText
 from app.replicas import Forwarded
 
@@ -19,10 +20,6 @@ def sse(event: str | None, data) -> bytes:
     payload = data if isinstance(data, bytes) else msgspec.json.encode(data)
     head = f"event: {event}\n".encode() if event else b""
     return head + b"data: " + payload + b"\n\n"
-
-
-def error_body(code: str, message: str) -> dict:
-    return {"error": {"code": code, "message": message}}
 
 
 async def native_sse(events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
@@ -39,33 +36,34 @@ async def native_sse(events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
                 yield sse("error", error_body(ev.code, ev.message))
 
 
-class EventStream(Stream):
-    """A ``text/event-stream`` response, whatever media type the handler declares for its JSON
-    answers (Litestar lets the handler's type win over the response's own)."""
+class _FixedMediaStream(Stream):
+    """A stream whose own media type wins over the one its handler declares for JSON answers
+    (Litestar lets the handler's type win over the response's)."""
+
+    def __init__(self, content, media_type: str, **kwargs):
+        self._fixed_media_type = media_type
+        super().__init__(content, media_type=media_type, **kwargs)
+
+    def to_asgi_response(self, *args, **kwargs):
+        kwargs["media_type"] = self._fixed_media_type
+        return super().to_asgi_response(*args, **kwargs)
+
+
+class EventStream(_FixedMediaStream):
+    """A ``text/event-stream`` response."""
 
     def __init__(self, content, request_id: str | None = None, **kwargs):
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         if request_id:
             headers["X-Request-Id"] = request_id  # for POST /v1/requests/{id}/cancel
-        super().__init__(content, media_type="text/event-stream", headers=headers, **kwargs)
-
-    def to_asgi_response(self, *args, **kwargs):
-        kwargs["media_type"] = "text/event-stream"
-        return super().to_asgi_response(*args, **kwargs)
+        super().__init__(content, "text/event-stream", headers=headers, **kwargs)
 
 
-class ForwardedStream(Stream):
+class ForwardedStream(_FixedMediaStream):
     """A peer replica's response, streamed through with its status and media type."""
 
     def __init__(self, fwd: Forwarded):
-        self._forced_media_type = fwd.media_type
-        super().__init__(
-            fwd.body, media_type=fwd.media_type, status_code=fwd.status, headers=fwd.headers
-        )
-
-    def to_asgi_response(self, *args, **kwargs):
-        kwargs["media_type"] = self._forced_media_type
-        return super().to_asgi_response(*args, **kwargs)
+        super().__init__(fwd.body, fwd.media_type, status_code=fwd.status, headers=fwd.headers)
 
 
 async def forwarded(qa: QAService, job: Job, request: Request) -> ForwardedStream | None:

@@ -129,16 +129,22 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: Path) -> ModelConfig:
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise ModelError(f"no config.json at {path}")
-        try:
-            d = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelError(f"{path} is not valid JSON ({e})") from None
+        path, d = read_config_json(path)
         try:
             return cls.from_dict(d)
         except KeyError as e:
             raise ModelError(f"{path} lacks the field {e.args[0]!r}") from None
+
+
+def read_config_json(path: str | Path) -> tuple[Path, dict]:
+    """A Hugging Face ``config.json`` (``path`` is the file or its directory): the file's path
+    and its fields; ModelError when it is missing or not JSON."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ModelError(f"no config.json at {path}")
+    try:
+        return path, json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{path} is not valid JSON ({e})") from None

@@ -20,7 +20,8 @@ import torch
 
 from inference.attention.backends import BACKENDS
 from inference.config import EngineConfig
-from inference.engine.sampler import Sampler
+from inference.device import resolve_dtype
+from inference.engine.sampler import Sampler, torch_argmax
 from inference.engine.scheduler import SchedulerOutput
 from inference.kv_sizing import KVCacheSpec, size_kv_cache
 from inference.model.config import ModelConfig, dtype_name, parse_dtype
@@ -40,8 +41,8 @@ class RunnerOutput(NamedTuple):
 class ModelRunner:
     """One device's model, KV pool, input buffers and sampler (module docstring).
 
-    Subclasses provide ``resolve_dtype``, ``resolve_backend``, ``make_ops``,
-    ``kv_budget_bytes``, ``allocate_cache``, ``copy_slots`` and ``synchronize``."""
+    Subclasses provide ``resolve_backend``, ``make_ops``, ``kv_budget_bytes``,
+    ``allocate_cache`` and ``copy_slots``, and may replace ``synchronize`` and ``argmax``."""
 
     def __init__(self, config: EngineConfig, device: torch.device):
         self.config = config
@@ -98,7 +99,8 @@ class ModelRunner:
 
     # -- per device -------------------------------------------------------------------------------
     def resolve_dtype(self, dtype: str) -> torch.dtype:
-        raise NotImplementedError
+        """The compute dtype ``dtype`` (``auto`` included) means on this runner's device."""
+        return resolve_dtype(dtype, self.device)
 
     def resolve_backend(self, name: str) -> str:
         """The attention backend ``name`` (``auto``, ``torch``, ``cpu``, ``triton``) means
@@ -125,7 +127,7 @@ class ModelRunner:
 
     def argmax(self, logits: torch.Tensor) -> list[int]:
         """Greedy tokens of logits rows [R, vocab] float32."""
-        return torch.argmax(logits, dim=-1).tolist()
+        return torch_argmax(logits)
 
     # -- the step ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -140,7 +142,8 @@ class ModelRunner:
         )
         self.synchronize()
         model_s = time.perf_counter() - t0
-        tokens = self.sampler(logits, x.sampling) if x.sampling else []
+        sampling = sched.sampling
+        tokens = self.sampler(logits, sampling) if sampling else []
         return RunnerOutput(tokens, logits, model_s)
 
     # -- the pool --------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ import torch
 
 from inference.attention.backends import CPUBackend, TorchBackend, TritonBackend
 from inference.config import EngineConfig
-from inference.device import resolve_dtype
 from inference.kernels.cpu import attention, build, elementwise
 from inference.kernels.cpu.forward import CPUForward
 from inference.kernels.cpu.linear_layer import LINEAR_MAX_SLAB, LINEAR_ROW_SLAB, CPULinear
@@ -143,9 +142,6 @@ class CPURunner(ModelRunner):
         self.prefault = prefault_pool(caches)
         loop = self.model.layer_loop(self.kv_caches)  # built now, not in the first prefill
         log.info("decoder layers: %s", "one compiled call a step" if loop else "Python")
-
-    def resolve_dtype(self, dtype: str) -> torch.dtype:
-        return resolve_dtype(dtype, self.device)
 
     def resolve_backend(self, name: str) -> str:
         """``auto``: the compiled kernels (``cpu``) where they build, else the torch reference;

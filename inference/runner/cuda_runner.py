@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from inference.attention.backends import TorchBackend, TritonBackend
-from inference.device import resolve_dtype
 from inference.model.ops import ModelOps, torch_ops
 from inference.runner.base import ModelRunner
 
@@ -26,9 +25,6 @@ def cuda_ops(device: torch.device, backend_name: str) -> ModelOps:
 
 
 class CUDARunner(ModelRunner):
-    def resolve_dtype(self, dtype: str) -> torch.dtype:
-        return resolve_dtype(dtype, self.device)
-
     def resolve_backend(self, name: str) -> str:
         if name == "auto":
             return "triton"

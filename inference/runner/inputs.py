@@ -17,15 +17,15 @@ import torch
 
 from inference.attention.metadata import AttentionMetadata
 from inference.engine.scheduler import SchedulerOutput
-from inference.engine.sequence import Request
 
 
 class StepInputs(NamedTuple):
     input_ids: torch.Tensor  # [N] int64: the step's new tokens, chunk after chunk
     positions: torch.Tensor  # [N] int64
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [R] int64: the rows whose next-token logits are sampled
-    sampling: list[Request]  # the requests of those rows, in order
+    # [R] int64: the rows whose next-token logits are sampled (``SchedulerOutput.sampling``'s
+    # requests, in order)
+    logits_indices: torch.Tensor
 
 
 class _Buffer:
@@ -83,7 +83,6 @@ class InputBuffers:
         tables, seq_lens, cu = self.block_tables.np, self.seq_lens.np, self.cu_seqlens_q.np
         width = max(len(c.block_ids) for c in chunks)
         rows: list[int] = []
-        sampling: list[Request] = []
         lens, q_lens = [], []
         t = 0
         cu[0] = 0
@@ -106,7 +105,6 @@ class InputBuffers:
             q_lens.append(n)
             if c.samples:
                 rows.append(t - 1)
-                sampling.append(c.request)
         self.logits_indices.np[: len(rows)] = rows
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping.take(t),
@@ -123,5 +121,4 @@ class InputBuffers:
             self.positions.take(t),
             meta,
             self.logits_indices.take(len(rows)),
-            sampling,
         )
