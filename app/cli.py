@@ -12,6 +12,11 @@ from pathlib import Path
 
 from inference.errors import DocqaError
 
+KV_DTYPE_HELP = (
+    "KV cache dtype: the compute dtype by default; int8 or fp8 hold twice the tokens in the "
+    "same memory"
+)
+
 
 def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(
@@ -36,11 +41,33 @@ def cmd_model_import(args) -> int:
     return 0
 
 
-def cmd_kv_budget(args) -> int:
+def _percentiles(raw: str | None, flag: str) -> tuple[int, int, int] | None:
+    if raw is None:
+        return None
+    try:
+        values = tuple(int(v) for v in raw.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 3:
+        raise DocqaError(f"{flag} takes three token counts P50,P90,P99 (e.g. 800,2400,6000)")
+    return values
+
+
+def _kv_elem_bytes(name: str) -> tuple[str, int]:
     import torch
 
-    from inference.kv_sizing import KNOWN_CONFIGS, format_bytes, kv_bytes_per_token
-    from inference.model.config import dtype_name, parse_dtype, read_config_json
+    from inference import kv_quant
+    from inference.model.config import dtype_name, parse_dtype
+
+    kv8 = kv_quant.parse_kv_dtype(name)
+    dtype = kv8 if kv8 is not None else parse_dtype(name)
+    return dtype_name(dtype), torch.empty((), dtype=dtype).element_size()
+
+
+def cmd_kv_budget(args) -> int:
+    from inference.kv_planner import ModelShape, Workload, plan, replay
+    from inference.kv_sizing import KNOWN_CONFIGS, format_bytes
+    from inference.model.config import read_config_json
 
     if args.config:
         p, d = read_config_json(args.config)
@@ -54,30 +81,144 @@ def cmd_kv_budget(args) -> int:
         d = KNOWN_CONFIGS[name]
         label = name
     try:
-        layers = int(d["num_hidden_layers"])
-        heads = int(d.get("num_attention_heads", d.get("num_key_value_heads", 1)))
-        kv_heads = int(d.get("num_key_value_heads") or heads)
-        head_dim = int(d.get("head_dim") or int(d["hidden_size"]) // heads)
+        shape = ModelShape.from_config(d)
     except KeyError as e:
         raise DocqaError(f"{label} lacks the field {e.args[0]!r}") from None
-    kv_dtype = parse_dtype(args.kv_dtype or d.get("torch_dtype") or "bfloat16")
-    context = args.context or int(d.get("max_position_embeddings", 4096))
-    bpt = kv_bytes_per_token(layers, kv_heads, head_dim, kv_dtype)
-    elem = torch.empty((), dtype=kv_dtype).element_size()
+    compute = args.dtype or d.get("torch_dtype") or "bfloat16"
+    kv_name, elem = _kv_elem_bytes(args.kv_dtype or compute)
+    _, dtype_bytes = _kv_elem_bytes(compute)
+    layers, kv_heads, head_dim = shape.num_layers, shape.num_kv_heads, shape.head_dim
+    context = args.context or shape.max_position_embeddings
+    bpt = shape.kv_bytes_per_token(elem)
     print(f"config: {label}")
     print(
         f"layers {layers}, KV heads {kv_heads}, head dim {head_dim}, KV dtype "
-        f"{dtype_name(kv_dtype)} ({elem} bytes)"
+        f"{kv_name} ({elem} byte{'s' if elem > 1 else ''})"
     )
     print(
         f"KV cache: {bpt / 1024:.2f} KiB per token "
         f"(2 x {layers} x {kv_heads} x {head_dim} x {elem} = {bpt:,} bytes)"
     )
     print(f"per sequence of {context:,} tokens: {format_bytes(bpt * context)}")
+
+    if args.workload and (args.prompt_tokens or args.output_tokens):
+        raise DocqaError("give --workload or --prompt-tokens/--output-tokens, not both")
+    workload = None
+    if args.workload:
+        try:
+            workload = Workload.from_jsonl(args.workload)
+        except OSError as e:
+            raise DocqaError(f"cannot read the workload {args.workload}: {e.strerror}") from None
+    elif args.prompt_tokens or args.output_tokens:
+        prompt = _percentiles(args.prompt_tokens, "--prompt-tokens")
+        output = _percentiles(args.output_tokens, "--output-tokens")
+        if prompt is None or output is None:
+            raise DocqaError("give both --prompt-tokens and --output-tokens (P50,P90,P99 each)")
+        workload = Workload.from_percentiles(prompt, output)
+    if args.memory_gib and args.device_memory_gib:
+        raise DocqaError("give --memory-gib (the KV pool) or --device-memory-gib, not both")
+    if not (args.memory_gib or args.device_memory_gib):
+        if workload is not None:
+            raise DocqaError("planning a workload needs --memory-gib or --device-memory-gib")
+        return 0
+    kw = dict(
+        block_size=args.block_size,
+        dtype_bytes=dtype_bytes,
+        max_num_batched_tokens=args.max_batched_tokens,
+        max_num_seqs=args.max_seqs,
+        workload=workload,
+    )
     if args.memory_gib:
-        tokens = int(args.memory_gib * 2**30 // bpt)
-        print(f"KV cache size: {tokens:,} tokens in {args.memory_gib:g} GiB")
-        print(f"Maximum concurrency for {context:,} tokens per request: {tokens / context:.2f}x")
+        pl = plan(shape, elem, kv_bytes=int(args.memory_gib * 2**30), **kw)
+    else:
+        reserve = int(args.reserve_gib * 2**30) if args.reserve_gib is not None else None
+        pl = plan(
+            shape,
+            elem,
+            device_bytes=int(args.device_memory_gib * 2**30),
+            utilization=args.gpu_memory_utilization,
+            reserve_bytes=reserve,
+            **kw,
+        )
+        print(
+            f"device memory {format_bytes(pl.device_bytes)} x {args.gpu_memory_utilization:g} = "
+            f"{format_bytes(pl.usable_bytes)}: weights {format_bytes(pl.weights_bytes)} "
+            f"({shape.num_params() / 1e9:.2f} B parameters x {dtype_bytes} bytes), runtime reserve "
+            f"{format_bytes(pl.reserve_bytes)}, KV {format_bytes(pl.kv_bytes)}"
+        )
+    print(f"KV cache size: {pl.num_tokens:,} tokens in {format_bytes(pl.kv_bytes)}")
+    print(f"Maximum concurrency for {context:,} tokens per request: {pl.num_tokens / context:.2f}x")
+    if workload is None:
+        return 0
+    n = len(workload.requests)
+    mean_p = sum(p for p, _ in workload.requests) / n
+    mean_o = sum(o for _, o in workload.requests) / n
+    print(f"workload: {n:,} requests, mean prompt {mean_p:,.0f} tokens, mean answer {mean_o:,.0f}")
+    for pct, (ctx, seqs) in pl.fit_at.items():
+        print(f"p{pct} context {ctx:,} tokens: {seqs:,} sequences fit at once at full length")
+    cap = f" (capped by --max-seqs {args.max_seqs})" if args.max_seqs else ""
+    print(
+        f"concurrency before the first preemption, this mix in continuous batching: "
+        f"{pl.concurrency:.1f}{cap}"
+    )
+    budget = pl.budget_concurrency
+    if budget < pl.concurrency:
+        print(
+            f"the step budget (--max-batched-tokens {args.max_batched_tokens}) keeps only "
+            f"{budget:.1f} of this mix running: it binds before the KV pool"
+        )
+    elif budget < 1.5 * pl.concurrency:
+        print(
+            f"the step budget (--max-batched-tokens {args.max_batched_tokens}) keeps at most "
+            f"{budget:.1f} running, close to the pool's bound: prompts queue for it, and the "
+            "pool may run out with fewer requests running"
+        )
+    if args.replay:
+        runs = [
+            replay(
+                workload,
+                pl.num_blocks,
+                block_size=args.block_size,
+                max_num_batched_tokens=args.max_batched_tokens,
+                max_num_seqs=args.max_seqs or 1_000_000,
+                seed=seed,
+            )
+            for seed in range(REPLAYS)
+        ]
+        seen = [r.concurrency for r in runs]
+        mean = sum(seen) / len(seen)
+        if all(r.preempted for r in runs):
+            print(
+                f"replayed through the scheduler ({REPLAYS} arrival orders): {mean:.1f} running "
+                f"at the first preemption ({min(seen)}..{max(seen)}); estimate / replay = "
+                f"{pl.concurrency / mean:.3f}"
+            )
+        else:
+            print(
+                f"replayed through the scheduler: no preemption in "
+                f"{max(r.steps for r in runs):,} steps, at most {max(seen):,} running: the step "
+                f"budget (--max-batched-tokens {args.max_batched_tokens}) binds before the KV "
+                "pool"
+            )
+    return 0
+
+
+REPLAYS = 5  # arrival orders the replay averages (its first preemption varies with the order)
+
+
+def cmd_workload_export(args) -> int:
+    """Every answered turn of the stored conversations as {"prompt_tokens", "output_tokens"}
+    JSON lines, for ``docqa kv-budget --workload``."""
+    from app.db.workload import export_workload
+    from app.settings import Settings
+
+    settings = Settings.from_env(database_url=args.database_url)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as out:
+            n = export_workload(settings.database_url, out, since=args.since)
+    else:
+        n = export_workload(settings.database_url, sys.stdout, since=args.since)
+    print(f"{n} turns", file=sys.stderr)
     return 0
 
 
@@ -112,7 +253,7 @@ def cmd_ask(args) -> int:
         raise DocqaError(
             f"--max-tokens must be between 1 and {args.max_tokens_cap}, got {args.max_tokens}"
         )
-    llm = LLM(args.model, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib)
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib, kv_dtype=args.kv_dtype)
     engine = llm.engine
     builder = PromptBuilder(llm.tokenizer)
     from inference.engine.sampler import SamplingParams
@@ -183,6 +324,7 @@ def cmd_serve(args) -> int:
         model=args.model,
         dtype=args.dtype,
         kv_cache_gib=args.kv_cache_gib,
+        kv_dtype=args.kv_dtype,
         max_tokens_cap=args.max_tokens_cap,
         num_threads=args.threads,
         pin_budget=args.pin_budget,
@@ -234,13 +376,58 @@ def build_parser() -> argparse.ArgumentParser:
     mi.add_argument("--force", action="store_true", help="import again even if present")
     mi.set_defaults(func=cmd_model_import)
 
-    kb = sub.add_parser("kv-budget", help="KV cache arithmetic for a model config")
+    kb = sub.add_parser(
+        "kv-budget", help="KV cache arithmetic and capacity planning for a model config"
+    )
     kb.add_argument("name", nargs="?", help="a known config name (default smollm2-135m)")
     kb.add_argument("--config", help="path to a config.json (or its directory)")
     kb.add_argument("--memory-gib", type=float, help="KV memory budget in GiB")
+    kb.add_argument(
+        "--device-memory-gib",
+        type=float,
+        help="device memory in GiB: split into weights, a runtime reserve and the KV pool",
+    )
+    kb.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="share of the device memory docqa may use (default 0.9)",
+    )
+    kb.add_argument(
+        "--reserve-gib",
+        type=float,
+        help="runtime reserve in GiB (default: one step's activations and logits, doubled)",
+    )
     kb.add_argument("--context", type=int, help="tokens per sequence (default: the model's)")
-    kb.add_argument("--kv-dtype", help="KV dtype (default: the config's torch_dtype)")
+    kb.add_argument("--kv-dtype", help="KV dtype (default: the config's torch_dtype); int8, fp8")
+    kb.add_argument("--dtype", help="weights' dtype (default: the config's torch_dtype)")
+    kb.add_argument("--block-size", type=int, default=16, help="tokens per KV block (16)")
+    kb.add_argument(
+        "--workload",
+        help="JSON lines of {prompt_tokens, output_tokens} (docqa workload export)",
+    )
+    kb.add_argument("--prompt-tokens", help="prompt length percentiles P50,P90,P99")
+    kb.add_argument("--output-tokens", help="answer length percentiles P50,P90,P99")
+    kb.add_argument(
+        "--max-batched-tokens", type=int, default=512, help="the engine's step budget (512)"
+    )
+    kb.add_argument("--max-seqs", type=int, help="cap on requests running at once")
+    kb.add_argument(
+        "--replay",
+        action="store_true",
+        help="also replay the workload through the engine's scheduler and block pool",
+    )
     kb.set_defaults(func=cmd_kv_budget)
+
+    wl = sub.add_parser("workload", help="the service's stored workload")
+    wl_sub = wl.add_subparsers(dest="workload_command", required=True)
+    we = wl_sub.add_parser(
+        "export", help="stored turns' prompt and answer lengths as JSON lines (kv-budget)"
+    )
+    we.add_argument("--output", "-o", help="file to write (default: standard output)")
+    we.add_argument("--database-url", help="default: DOCQA_DATABASE_URL or the SQLite file")
+    we.add_argument("--since", help="only turns created at or after this ISO date/time")
+    we.set_defaults(func=cmd_workload_export)
 
     def engine_args(sp):
         sp.add_argument("--model", default=None, help="model directory or name (default model)")
@@ -251,6 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
             default=None,
             help="KV pool size on CPU (default: a quarter of free memory, <= 4)",
         )
+        sp.add_argument("--kv-dtype", default=None, help=KV_DTYPE_HELP)
         sp.add_argument("--max-tokens", type=int, default=128, help="answer length cap")
         sp.add_argument(
             "--max-tokens-cap", type=int, default=1024, help="upper bound of --max-tokens"
@@ -275,6 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="KV pool size on CPU (default: a quarter of free memory, <= 4)",
     )
+    s.add_argument("--kv-dtype", default=None, help=KV_DTYPE_HELP + " (env DOCQA_KV_DTYPE)")
     s.add_argument(
         "--max-tokens-cap", type=int, default=1024, help="upper bound of a request's max_tokens"
     )

@@ -111,6 +111,7 @@ class EngineRunner:
         model: str | Path | None = None,
         dtype: str = "auto",
         kv_cache_gib: float | None = None,
+        kv_dtype: str | None = None,
         num_threads: int | None = None,
         max_waiting: int = 256,
         pin_budget: float = 0.25,
@@ -123,6 +124,7 @@ class EngineRunner:
         self._engine_kwargs = dict(
             dtype=dtype,
             kv_cache_gib=kv_cache_gib,
+            kv_dtype=kv_dtype,
             num_threads=num_threads,
             pin_budget=pin_budget,
             max_num_batched_tokens=max_num_batched_tokens,

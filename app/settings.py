@@ -97,6 +97,7 @@ class Settings:
     api_keys: dict[str, str] = field(default_factory=dict)
     model: str | None = None  # None: the default model, imported on first use
     dtype: str = "auto"
+    kv_dtype: str | None = None  # None: the compute dtype; int8 | fp8: an 8-bit KV pool
     kv_cache_gib: float | None = None
     pin_budget: float = 0.25  # share of the KV pool pinned manuals may hold
     max_num_batched_tokens: int = 512  # tokens per engine step (decodes + prompt chunks)
@@ -134,9 +135,22 @@ class Settings:
             raise ConfigError(f"DOCQA_REDIS_TTL_S must be at least 1, got {self.redis_ttl_s}")
         if self.redis_max_gib <= 0:
             raise ConfigError(f"DOCQA_REDIS_MAX_GIB must be positive, got {self.redis_max_gib}")
+        self._check_kv_dtype()
         if not 0 <= self.shutdown_grace_s <= 3600:
             raise ConfigError(
                 f"DOCQA_SHUTDOWN_GRACE_S must be between 0 and 3600, got {self.shutdown_grace_s}"
+            )
+
+    def _check_kv_dtype(self) -> None:
+        if self.kv_dtype is None:
+            return
+        from inference import kv_quant
+
+        names = ("float32", "bfloat16", "float16", *kv_quant.KV8_NAMES)
+        if self.kv_dtype.lower() not in names:
+            raise ConfigError(
+                f"--kv-dtype (DOCQA_KV_DTYPE) must be one of {', '.join(names)}, "
+                f"got {self.kv_dtype!r}"
             )
 
     def tier_config(self):
@@ -165,6 +179,7 @@ class Settings:
             home=home,
             database_url=normalize_database_url(url),
             redis_url=env.get("DOCQA_REDIS_URL") or None,
+            kv_dtype=env.get("DOCQA_KV_DTYPE") or None,
             api_keys=parse_api_keys(env.get("DOCQA_API_KEYS")),
             redis_prefix=env.get("DOCQA_REDIS_PREFIX") or "docqa:",
             redis_ttl_s=_env_number("DOCQA_REDIS_TTL_S", int, 24 * 3600),

@@ -8,6 +8,10 @@
    device-to-device copy bandwidth; prefill attention's FLOP/s.
 3. The engine end to end on a random-weight model with a Llama-3-8B shape (bf16): cold and warm
    TTFT for a question after an 8,000-token manual, and decode tokens/s at batch 1 and 32.
+4. An fp8 (e4m3) KV cache against bf16 KV: the attention kernels' relative error over the same
+   keys and values, the store's bits against torch's conversion, and on the random-weight
+   model greedy agreement of 8 answers of 32 tokens and the pool's capacity in tokens (one
+   engine at a time, each given 40% of the device).
 
 Prints one table and writes JSON under bench/results/gpu-<date>.json.
 
@@ -296,6 +300,80 @@ def engine_bench(quick: bool, dry: bool) -> dict:
     return res
 
 
+def kv8_bench(ta, dev, dry: bool) -> dict:
+    """Section 4 (module docstring)."""
+    from inference import LLM, SamplingParams, kv_quant
+    from inference.model.model_import import import_default_model
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    dtype = torch.float16 if dry else torch.bfloat16
+    heads, kvh, d, bs = (4, 2, 32, 16) if dry else (32, 8, 128, 16)
+    lens = [70, 33, 150] if dry else [4000, 700, 9000]
+    nb = sum(-(-n // bs) for n in lens) + 2
+    res: dict = {}
+    c16, caches = [], []
+    for _ in range(2):
+        x = torch.randn(nb, bs, kvh, d, generator=gen) * 2
+        scale = kv_quant.pow2_scales(x.abs().amax(dim=(0, 1)), kv_quant.FP8)
+        c = kv_quant.quantize(x, 1.0 / scale, kv_quant.FP8).to(dev)
+        kv_quant.attach(c, scale.to(dev), (1.0 / scale).to(dev))
+        caches.append(c)
+        c16.append(x.to(dtype).to(dev))
+    perm = torch.randperm(nb, generator=gen)
+    table = torch.zeros(len(lens), max(-(-n // bs) for n in lens), dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(lens):
+        k = -(-n // bs)
+        table[i, :k] = perm[at : at + k]
+        at += k
+    table, sl = table.to(dev), torch.tensor(lens, dtype=torch.int32, device=dev)
+    q = torch.randn(len(lens), heads, d, generator=gen).to(dtype).to(dev)
+    o8 = ta.paged_decode_attention(q, caches[0], caches[1], table, sl, d**-0.5)
+    o16 = ta.paged_decode_attention(q, c16[0], c16[1], table, sl, d**-0.5)
+    res["fp8_vs_bf16_decode_attention_rel_err"] = float(
+        (o8.double() - o16.double()).norm() / o16.double().norm()
+    )
+    key = (torch.randn(64, kvh, d, generator=gen) * 3).to(dtype).to(dev)
+    slots = torch.arange(64, device=dev)
+    k8 = torch.zeros(4, bs, kvh, d, dtype=kv_quant.FP8, device=dev)
+    v8 = torch.zeros_like(k8)
+    for c in (k8, v8):
+        kv_quant.attach(c, kv_quant.scales_of(caches[0])[0], kv_quant.scales_of(caches[0])[1])
+    ta.store_kv(key, key, k8, v8, slots)
+    want = kv_quant.quantize(key.float(), kv_quant.scales_of(caches[0])[1], kv_quant.FP8)
+    res["fp8_store_bits_equal"] = bool(
+        torch.equal(kv_quant.raw(k8).view(-1, kvh, d)[:64], kv_quant.raw(want))
+    )
+
+    tmp = Path(tempfile.mkdtemp(prefix="docqa-gpu-kv8-"))
+    (tmp / "config.json").write_text(json.dumps(TINY if dry else LLAMA3_8B))
+    src = import_default_model()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, tmp / f)
+    n, plen = (3, 40) if dry else (8, 300)
+    prompts = [torch.randint(100, 40000, (plen,), generator=gen).tolist() for _ in range(n)]
+    params = SamplingParams(max_tokens=8 if dry else 32, ignore_eos=True)
+    answers = {}
+    for kv in (None, "fp8"):
+        kwargs = {"attention_backend": "triton", "kv_dtype": kv}
+        if dry:
+            kwargs.update(dtype="float32", kv_cache_gib=0.01)
+        else:
+            kwargs.update(dtype="bfloat16", gpu_memory_utilization=0.4)
+        llm = LLM(tmp, random_weights_seed=0, **kwargs)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_cache=False)
+        answers[kv] = [o.token_ids for o in outs]
+        res[f"kv_capacity_tokens_{kv or 'bf16'}"] = llm.engine.kv_spec.num_tokens
+        res[f"kv_bytes_per_token_{kv or 'bf16'}"] = llm.engine.kv_spec.bytes_per_token
+        llm.engine.close()
+        del llm, outs
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    same = sum(a == b for a, b in zip(answers[None], answers["fp8"], strict=True))
+    res["fp8_greedy_answers_equal"] = f"{same}/{len(prompts)}"
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer decode steps")
@@ -317,6 +395,8 @@ def main() -> int:
     timings = time_kernels(ta, dev, args.dry_run)
     engine = engine_bench(args.quick, args.dry_run)
     engine["kernel_launches"] = dict(ta.LAUNCHES)
+    kv8 = kv8_bench(ta, dev, args.dry_run)
+    ok_kv8 = kv8["fp8_store_bits_equal"] and kv8["fp8_vs_bf16_decode_attention_rel_err"] < 0.1
     tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
     print("| check | dtype | GQA | rel err | ok |")
     print("|---|---|---|---|---|")
@@ -325,8 +405,10 @@ def main() -> int:
         ok = c["all_written"] and c["rel_err"] < tol[c["dtype"]]
         ok_all &= ok
         print(f"| {c['kernel']} | {c['dtype']} | {c['gqa']} | {c['rel_err']:.2e} | {ok} |")
+    ok_all &= ok_kv8
     print("\n| measure | value |\n|---|---|")
-    for k, v in {**timings, **{k: v for k, v in engine.items() if k != "kernel_launches"}}.items():
+    shown = {**timings, **{k: v for k, v in engine.items() if k != "kernel_launches"}, **kv8}
+    for k, v in shown.items():
         print(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |")
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"gpu-{dt.date.today()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -338,6 +420,7 @@ def main() -> int:
                 "checks": checks,
                 "kernels": timings,
                 "engine": engine,
+                "kv8": kv8,
                 "seconds": time.perf_counter() - t_all,
             },
             indent=2,

@@ -11,10 +11,16 @@ import torch
 
 from inference.model.config import ModelConfig
 
-# Well-known configurations for ``docqa kv-budget NAME`` (architecture fields only).
+# Well-known configurations for ``docqa kv-budget NAME`` (architecture fields only: the KV
+# shape, and what the weights' size needs).
 KNOWN_CONFIGS: dict[str, dict] = {
     "smollm2-135m": dict(
         num_hidden_layers=30,
+        num_attention_heads=9,
+        hidden_size=576,
+        intermediate_size=1536,
+        vocab_size=49152,
+        tie_word_embeddings=True,
         num_key_value_heads=3,
         head_dim=64,
         max_position_embeddings=8192,
@@ -22,6 +28,10 @@ KNOWN_CONFIGS: dict[str, dict] = {
     ),
     "llama-2-7b": dict(
         num_hidden_layers=32,
+        num_attention_heads=32,
+        hidden_size=4096,
+        intermediate_size=11008,
+        vocab_size=32000,
         num_key_value_heads=32,
         head_dim=128,
         max_position_embeddings=4096,
@@ -29,6 +39,10 @@ KNOWN_CONFIGS: dict[str, dict] = {
     ),
     "llama-3-8b": dict(
         num_hidden_layers=32,
+        num_attention_heads=32,
+        hidden_size=4096,
+        intermediate_size=14336,
+        vocab_size=128256,
         num_key_value_heads=8,
         head_dim=128,
         max_position_embeddings=8192,
@@ -36,6 +50,10 @@ KNOWN_CONFIGS: dict[str, dict] = {
     ),
     "llama-3-70b": dict(
         num_hidden_layers=80,
+        num_attention_heads=64,
+        hidden_size=8192,
+        intermediate_size=28672,
+        vocab_size=128256,
         num_key_value_heads=8,
         head_dim=128,
         max_position_embeddings=8192,
@@ -43,6 +61,10 @@ KNOWN_CONFIGS: dict[str, dict] = {
     ),
     "mistral-7b": dict(
         num_hidden_layers=32,
+        num_attention_heads=32,
+        hidden_size=4096,
+        intermediate_size=14336,
+        vocab_size=32000,
         num_key_value_heads=8,
         head_dim=128,
         max_position_embeddings=32768,
@@ -50,6 +72,10 @@ KNOWN_CONFIGS: dict[str, dict] = {
     ),
     "qwen2-7b": dict(
         num_hidden_layers=28,
+        num_attention_heads=28,
+        hidden_size=3584,
+        intermediate_size=18944,
+        vocab_size=152064,
         num_key_value_heads=4,
         head_dim=128,
         max_position_embeddings=32768,

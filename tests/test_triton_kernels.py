@@ -134,6 +134,79 @@ def test_paged_prefill_attention(dtype, heads, kvh, d, bs):
     assert rel_err(out, ref) < TOL[dtype], f"seed {seed}: {rel_err(out, ref):.2e}"
 
 
+KV8 = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+def kv8_cache(gen, num_blocks, bs, kvh, d, dtype):
+    """8-bit caches of random values with random power-of-two scales per channel, and the
+    same values dequantized in float64 (what the kernels must attend over)."""
+    from inference import kv_quant
+
+    caches, dense = [], []
+    for _ in range(2):
+        x = torch.randn(num_blocks, bs, kvh, d, generator=gen) * 2
+        scale = kv_quant.pow2_scales(torch.rand(kvh, d, generator=gen) * 4 + 0.5, dtype)
+        c = kv_quant.quantize(x, 1.0 / scale, dtype).contiguous()
+        kv_quant.attach(c, scale, (1.0 / scale).contiguous())
+        caches.append(c)
+        dense.append(c.double() * scale.double())
+    return caches, dense
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_store_kv_into_8_bit_caches_has_torchs_bits(kv, dtype):
+    from inference import kv_quant
+
+    gen, seed = fresh_generator()
+    heads, kvh, d, bs = CASES[1]
+    nb = 5
+    (k_cache, v_cache), _ = kv8_cache(gen, nb, bs, kvh, d, KV8[kv])
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    n = 13
+    # magnitudes from far below to far above the scales' range, and halves (ties)
+    key = (torch.randn(n, kvh, d, generator=gen) * torch.exp2(torch.randint(-12, 10, (n, kvh, d),
+           generator=gen).float())).to(dtype)  # fmt: skip
+    key[0] = 0.5
+    value = torch.randn(n, kvh, d, generator=gen).to(dtype) * 40
+    slots = torch.randperm(nb * bs, generator=gen)[:n]
+    slots[4] = -1
+    ta.store_kv(key, value, k_cache, v_cache, slots)
+    keep = slots >= 0
+    for ref, cache, x in ((k_ref, k_cache, key), (v_ref, v_cache, value)):
+        inv = kv_quant.scales_of(cache)[1]
+        q = kv_quant.quantize(x[keep].float(), inv, cache.dtype)
+        kv_quant.raw(ref).view(-1, kvh, d)[slots[keep]] = kv_quant.raw(q)
+        same = kv_quant.raw(cache) == kv_quant.raw(ref)
+        assert same.all(), f"seed {seed}: {(~same).sum().item()} elements differ"
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_attention_over_8_bit_caches(kv, dtype, monkeypatch):
+    """Decode and prefill over 8-bit caches against float64 attention over their dequantized
+    values (the scales are powers of two: reading them in the queries' dtype is exact)."""
+    monkeypatch.setattr(ta, "DECODE_PARTITION", 32)
+    gen, seed = fresh_generator()
+    heads, kvh, d, bs = CASES[1]
+    shapes = [(0, 19), (2 * bs + 3, 7), (bs - 1, 1)]
+    lens = [c + n for c, n in shapes]
+    nb = sum(-(-n // bs) for n in lens) + 2
+    (k_cache, v_cache), (k64, v64) = kv8_cache(gen, nb, bs, kvh, d, KV8[kv])
+    table = shuffled_tables(gen, lens, bs, nb)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    q_lens = [n for _, n in shapes]
+    q = torch.randn(sum(q_lens), heads, d, generator=gen).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    out = ta.paged_prefill_attention(q, k_cache, v_cache, table, cu, seq_lens, d**-0.5)
+    ref = ref_attention(q, k64, v64, table, lens, q_lens, d**-0.5)
+    assert rel_err(out, ref) < TOL[dtype], f"prefill, seed {seed}: {rel_err(out, ref):.2e}"
+    qd = torch.randn(len(lens), heads, d, generator=gen).to(dtype)
+    out = ta.paged_decode_attention(qd, k_cache, v_cache, table, seq_lens, d**-0.5)
+    ref = ref_attention(qd, k64, v64, table, lens, [1] * len(lens), d**-0.5)
+    assert rel_err(out, ref) < TOL[dtype], f"decode, seed {seed}: {rel_err(out, ref):.2e}"
+
+
 def test_wrappers_check_their_inputs():
     k = torch.zeros(4, 16, 2, 32)
     q = torch.zeros(2, 4, 32)
@@ -154,7 +227,11 @@ def test_wrappers_check_their_inputs():
         ta.store_kv(torch.zeros(3, 2, 32), torch.zeros(3, 2, 32), k, k.clone(), lens)
 
 
-def test_engine_with_the_triton_backend_matches_the_torch_backend(tiny_model_dir):
+@pytest.mark.parametrize("kv_dtype", [None, "int8", "fp8"])
+def test_engine_with_the_triton_backend_matches_the_torch_backend(tiny_model_dir, kv_dtype):
+    """The same answers and logits through the Triton kernels as through the torch reference,
+    over a KV pool of the compute dtype or an 8-bit one (its scales calibrated by each engine
+    from the same model: the same scales)."""
     from inference import LLM, SamplingParams
 
     prompts = [list(range(100, 137)), list(range(300, 309))]
@@ -162,7 +239,13 @@ def test_engine_with_the_triton_backend_matches_the_torch_backend(tiny_model_dir
     outs = {}
     before = dict(ta.LAUNCHES)
     for backend in ("torch", "triton"):
-        llm = LLM(tiny_model_dir, dtype="float32", kv_cache_gib=0.002, attention_backend=backend)
+        llm = LLM(
+            tiny_model_dir,
+            dtype="float32",
+            kv_dtype=kv_dtype,
+            kv_cache_gib=0.002,
+            attention_backend=backend,
+        )
         assert llm.engine.runner.attention_backend == backend
         eng = llm.engine
         reqs = [eng.add_request(p, params, keep_logits=True) for p in prompts]

@@ -166,6 +166,7 @@ def create_app(settings: Settings | None = None, runner: EngineRunner | None = N
         model=settings.model,
         dtype=settings.dtype,
         kv_cache_gib=settings.kv_cache_gib,
+        kv_dtype=settings.kv_dtype,
         pin_budget=settings.pin_budget,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         prefill_tokens_with_decodes=settings.prefill_tokens_with_decodes,

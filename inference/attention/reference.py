@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inference import kv_quant
 from inference.attention.metadata import AttentionMetadata
 
 PREFILL_TILE = 512  # keys per prompt-token work item; a multiple of every supported block size
@@ -53,6 +54,11 @@ def store_kv_reference(
     if rows is not None:
         key, value, slots = key[rows], value[rows], slots[rows]
     nb, bs, kvh, d = k_cache.shape
+    if kv_quant.is_kv8(k_cache.dtype):  # quantized with the layer's scales (kv_quant)
+        key = kv_quant.quantize(key, kv_quant.scales_of(k_cache)[1], k_cache.dtype)
+        value = kv_quant.quantize(value, kv_quant.scales_of(v_cache)[1], v_cache.dtype)
+        k_cache, v_cache = kv_quant.raw(k_cache), kv_quant.raw(v_cache)
+        key, value = kv_quant.raw(key), kv_quant.raw(value)
     k_cache.view(nb * bs, kvh, d).index_copy_(0, slots, key.to(k_cache.dtype))
     v_cache.view(nb * bs, kvh, d).index_copy_(0, slots, value.to(v_cache.dtype))
 
@@ -234,11 +240,18 @@ def _tile_attention(
     tile = plan.blocks.numel() // G * bs
     qg = q[plan.q_index].view(G, S, kvh, group, d).permute(0, 2, 1, 3, 4)
     qg = qg.reshape(G, kvh, rows, d)
-    k_flat, v_flat = k_cache.view(nb, -1), v_cache.view(nb, -1)
+    k_flat, v_flat = kv_quant.raw(k_cache).view(nb, -1), kv_quant.raw(v_cache).view(nb, -1)
+    kv8 = kv_quant.is_kv8(k_cache.dtype)
+    k_scale = kv_quant.scales_of(k_cache)[0] if kv8 else None
+    v_scale = kv_quant.scales_of(v_cache)[0] if kv8 else None
 
-    def tiles(cache_flat: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-        # [n, kvh, tile, d], a strided view of the gathered blocks
-        return cache_flat.index_select(0, block_ids).view(-1, tile, kvh, d).permute(0, 2, 1, 3)
+    def tiles(cache_flat: torch.Tensor, block_ids: torch.Tensor, kv_scale) -> torch.Tensor:
+        # [n, kvh, tile, d], a strided view of the gathered blocks (8-bit caches: read with
+        # their scales, in q's dtype)
+        t = cache_flat.index_select(0, block_ids).view(-1, tile, kvh, d)
+        if kv8:
+            t = kv_quant.dequantize(t.view(k_cache.dtype), kv_scale, q.dtype)
+        return t.permute(0, 2, 1, 3)
 
     fused = flash and _FLASH_CPU is not None
     if fused and plan.bias.dtype != q.dtype:  # once per step: every layer shares the plan
@@ -247,23 +260,28 @@ def _tile_attention(
             plan.rest_bias = plan.rest_bias.to(q.dtype)
     if not plan.shared:
         o_t, m_t = _attend_items(
-            qg, tiles(k_flat, plan.blocks), tiles(v_flat, plan.blocks), plan.bias, scale, fused
+            qg,
+            tiles(k_flat, plan.blocks, k_scale),
+            tiles(v_flat, plan.blocks, v_scale),
+            plan.bias,
+            scale,
+            fused,
         )
     else:
         o_t = q.new_empty((G, kvh, rows, d), dtype=torch.float32)
         m_t = q.new_empty((G, kvh, rows), dtype=torch.float32)
         for ids, lo, hi in plan.shared:
             n = hi - lo
-            keys = tiles(k_flat, ids).expand(n, -1, -1, -1)
-            values = tiles(v_flat, ids).expand(n, -1, -1, -1)
+            keys = tiles(k_flat, ids, k_scale).expand(n, -1, -1, -1)
+            values = tiles(v_flat, ids, v_scale).expand(n, -1, -1, -1)
             o_t[lo:hi], m_t[lo:hi] = _attend_items(
                 qg[lo:hi], keys, values, plan.bias[lo:hi], scale, fused
             )
         if plan.rest is not None and plan.rest.numel():
             o, m = _attend_items(
                 qg[plan.rest],
-                tiles(k_flat, plan.rest_blocks),
-                tiles(v_flat, plan.rest_blocks),
+                tiles(k_flat, plan.rest_blocks, k_scale),
+                tiles(v_flat, plan.rest_blocks, v_scale),
                 plan.rest_bias,
                 scale,
                 fused,

@@ -62,7 +62,7 @@ class LLMEngine:
             runner.kv_dtype,
             config.block_size,
             config.random_weights_seed,
-            runner.model.compute_signature(),
+            runner.compute_signature(),
         )
         self.kv_manager = KVCacheManager(
             self.kv_spec.num_blocks, config.block_size, self.fingerprint, runner.copy_slots

@@ -18,11 +18,14 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from inference import kv_quant
 from inference.attention.backends import BACKENDS
+from inference.attention.metadata import AttentionMetadata
 from inference.config import EngineConfig
 from inference.device import resolve_dtype
 from inference.engine.sampler import Sampler, torch_argmax
 from inference.engine.scheduler import SchedulerOutput
+from inference.kv_quant import KVScales
 from inference.kv_sizing import KVCacheSpec, size_kv_cache
 from inference.model.config import ModelConfig, dtype_name, parse_dtype
 from inference.model.llama import LlamaModel
@@ -30,6 +33,41 @@ from inference.model.ops import ModelOps
 from inference.runner.inputs import InputBuffers
 
 log = logging.getLogger("docqa.engine")
+
+
+def resolve_kv_dtype(name: str | None, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype: ``name`` (a float dtype, or an 8-bit one: ``int8``, ``fp8``),
+    else the compute dtype."""
+    if not name:
+        return dtype
+    kv8 = kv_quant.parse_kv_dtype(name)
+    if kv8 is not None:
+        return kv8
+    try:
+        return parse_dtype(name)
+    except ValueError:
+        raise ValueError(
+            f"unknown KV dtype {name!r}; choose one of float32, bfloat16, float16, "
+            f"{', '.join(kv_quant.KV8_NAMES)}"
+        ) from None
+
+
+def calibration_ids(model_dir, vocab_size: int, max_len: int) -> list[int]:
+    """``kv_quant.CALIBRATION_TEXT`` as the model's token ids (a fixed sequence of ids where
+    the model has no tokenizer file)."""
+    from inference.model.tokenizer import TextTokenizer
+
+    try:
+        tok = TextTokenizer(model_dir)
+    except Exception:  # noqa: BLE001 - any model without a usable tokenizer
+        return [(i * 7919) % vocab_size for i in range(1, 513)][:max_len]
+    # a prompt starts with its template's first special token: the first position's K/V are
+    # often the largest a model writes
+    first = [t for t in map(tok.special_id, _PROMPT_STARTS) if t is not None][:1]
+    return (first + tok.encode(kv_quant.CALIBRATION_TEXT))[:max_len]
+
+
+_PROMPT_STARTS = ("<|im_start|>", "<|begin_of_text|>", "<s>")
 
 
 class RunnerOutput(NamedTuple):
@@ -50,7 +88,7 @@ class ModelRunner:
         model_dir = config.model_dir
         self.model_config = cfg = ModelConfig.from_file(model_dir)
         self.dtype = self.resolve_dtype(config.dtype)
-        self.kv_dtype = parse_dtype(config.kv_dtype) if config.kv_dtype else self.dtype
+        self.kv_dtype = resolve_kv_dtype(config.kv_dtype, self.dtype)
         name = config.attention_backend or os.environ.get("DOCQA_ATTENTION_BACKEND") or "auto"
         if name.lower() not in BACKENDS:
             raise ValueError(
@@ -78,6 +116,17 @@ class ModelRunner:
         if config.max_model_len:
             max_len = min(max_len, config.max_model_len)
         self.max_model_len = max_len
+        # an 8-bit pool's fixed scales, from the model's own K/V over a calibration text
+        self.kv_scales: KVScales | None = None
+        if kv_quant.is_kv8(self.kv_dtype):
+            t0 = time.perf_counter()
+            self.kv_scales = KVScales.from_amax(self.calibrate_kv_amax(), self.kv_dtype)
+            log.info(
+                "KV cache %s: scales %s, calibrated in %.2f s",
+                dtype_name(self.kv_dtype),
+                self.kv_scales.log_range(),
+                time.perf_counter() - t0,
+            )
         self.kv_spec: KVCacheSpec = size_kv_cache(
             cfg, self.kv_dtype, config.block_size, self.kv_budget_bytes(), max_len
         )
@@ -86,6 +135,11 @@ class ModelRunner:
         self.kv_caches = [
             (self.allocate_cache(shape), self.allocate_cache(shape)) for _ in range(cfg.num_layers)
         ]
+        if self.kv_scales is not None:
+            sc = self.kv_scales
+            for layer, (kc, vc) in enumerate(self.kv_caches):
+                kv_quant.attach(kc, sc.scale[layer, 0], sc.inv[layer, 0])
+                kv_quant.attach(vc, sc.scale[layer, 1], sc.inv[layer, 1])
         for line in self.kv_spec.log_lines():
             log.info(line)
         self.inputs = InputBuffers(
@@ -96,6 +150,45 @@ class ModelRunner:
             device,
         )
         self.sampler = Sampler(self.argmax)
+
+    @torch.inference_mode()
+    def calibrate_kv_amax(self) -> torch.Tensor:
+        """The largest magnitude of each K and V channel over ``kv_quant.CALIBRATION_TEXT``,
+        computed by this runner's model into a small pool of the compute dtype:
+        [layers, 2 (K, V), kv_heads, head_dim] float32."""
+        cfg, bs = self.model_config, self.config.block_size
+        ids = calibration_ids(self.config.model_dir, cfg.vocab_size, self.max_model_len)
+        n = len(ids)
+        blocks = -(-n // bs)
+        shape = (blocks, bs, cfg.num_kv_heads, cfg.head_dim)
+        caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(cfg.num_layers)
+        ]
+        meta = AttentionMetadata.build([list(range(blocks))], [n], [n], bs, self.device)
+        self.model.forward(
+            torch.tensor(ids, dtype=torch.int64, device=self.device),
+            torch.arange(n, dtype=torch.int64, device=self.device),
+            meta,
+            caches,
+            torch.tensor([n - 1], dtype=torch.int64, device=self.device),
+        )
+        amax = [
+            torch.stack([kv_quant.amax_of_cache(kc, n), kv_quant.amax_of_cache(vc, n)])
+            for kc, vc in caches
+        ]
+        return torch.stack(amax).cpu()
+
+    def compute_signature(self) -> str:
+        """What computes and stores the KV bits (part of the prefix cache's fingerprint): the
+        model's kernels, and an 8-bit pool's scales."""
+        sig = self.model.compute_signature()
+        if self.kv_scales is not None:
+            sig += f"|kv-scales={self.kv_scales.digest()}"
+        return sig
 
     # -- per device -------------------------------------------------------------------------------
     def resolve_dtype(self, dtype: str) -> torch.dtype:
@@ -155,13 +248,19 @@ class ModelRunner:
         [block, layer, k|v, token, kv head, dim]."""
         cfg = self.model_config
         shape = (n, cfg.num_layers, 2, self.kv_spec.block_size, cfg.num_kv_heads, cfg.head_dim)
-        return torch.empty(shape, dtype=self.kv_dtype, device=device)
+        dtype = torch.uint8 if kv_quant.is_kv8(self.kv_dtype) else self.kv_dtype
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def _raw_caches(self):
+        """Each layer's caches, 8-bit ones as their bytes (fp8 tensors take few of torch's
+        indexing ops)."""
+        return [(kv_quant.raw(kc), kv_quant.raw(vc)) for kc, vc in self.kv_caches]
 
     def read_blocks(self, block_ids: list[int]) -> np.ndarray:
         """The K/V of these blocks, every layer, as bytes on the host: [n, payload bytes]."""
         ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         data = self._block_buffer(len(block_ids), self.device)
-        for layer, (kc, vc) in enumerate(self.kv_caches):
+        for layer, (kc, vc) in enumerate(self._raw_caches()):
             data[:, layer, 0] = kc[ids]
             data[:, layer, 1] = vc[ids]
         return data.cpu().view(len(block_ids), -1).view(torch.uint8).numpy()
@@ -174,7 +273,7 @@ class ModelRunner:
             row[:] = np.frombuffer(payload, dtype=np.uint8)
         data = data.to(self.device)
         ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        for layer, (kc, vc) in enumerate(self.kv_caches):
+        for layer, (kc, vc) in enumerate(self._raw_caches()):
             kc.index_copy_(0, ids, data[:, layer, 0])
             vc.index_copy_(0, ids, data[:, layer, 1])
 

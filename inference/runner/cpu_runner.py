@@ -15,6 +15,7 @@ import threading
 
 import torch
 
+from inference import kv_quant
 from inference.attention.backends import CPUBackend, TorchBackend, TritonBackend
 from inference.config import EngineConfig
 from inference.kernels.cpu import attention, build, elementwise
@@ -115,7 +116,9 @@ def cpu_ops(
 
     fused = elementwise.fused_elementwise_supports(dtype, hidden_size)
     rotary = rotate_then_store(backend)
-    if fused and kv_dtype == dtype and backend.plain_store:
+    # the fused store writes caches of the compute dtype, and 8-bit ones from bf16
+    stores = kv_dtype == dtype or (kv_quant.is_kv8(kv_dtype) and bf16)
+    if fused and stores and backend.plain_store:
         rotary = fused_rotary_store
     attn = backend_name
     if backend_name == "cpu" and attention.decode_attention_library().amx:
@@ -142,6 +145,13 @@ class CPURunner(ModelRunner):
         self.prefault = prefault_pool(caches)
         loop = self.model.layer_loop(self.kv_caches)  # built now, not in the first prefill
         log.info("decoder layers: %s", "one compiled call a step" if loop else "Python")
+        if kv_quant.is_kv8(self.kv_dtype) and loop is None:
+            log.warning(
+                "the %s KV cache is read by the torch reference here (the compiled kernels read "
+                "8-bit caches under bfloat16 compute on AVX512-BF16 CPUs): slower than a "
+                "16-bit cache",
+                self.kv_dtype,
+            )
 
     def resolve_backend(self, name: str) -> str:
         """``auto``: the compiled kernels (``cpu``) where they build, else the torch reference;

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from inference import kv_quant
 from inference.attention.backends import TorchBackend, TritonBackend
 from inference.model.ops import ModelOps, torch_ops
 from inference.runner.base import ModelRunner
@@ -46,9 +47,9 @@ class CUDARunner(ModelRunner):
         return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def copy_slots(self, src: int, dst: int, n: int) -> None:
-        for kc, vc in self.kv_caches:
-            kc[dst, :n] = kc[src, :n]
-            vc[dst, :n] = vc[src, :n]
+        for pair in self.kv_caches:
+            for c in map(kv_quant.raw, pair):  # bytes: fp8 tensors take few of torch's ops
+                c[dst, :n] = c[src, :n]
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from inference import kv_quant
 from inference.kernels.cpu.build import CSRC, DTYPES, KernelBuildError, build, kernels_enabled
 
 log = logging.getLogger("docqa.engine")
@@ -37,6 +38,10 @@ def _attention_signatures() -> dict[str, tuple[list, type]]:
             i,
         ),
         "docqa_attention_bf16": ([p, p, i, p, p, i, p, p, p, i64, p, i, i, i, i, f, p, p, i], i),
+        "docqa_attention_bf16_kv8": (
+            [p, p, i, p, p, i, p, p, p, i64, p, i, i, i, i, f, p, p, i, i, p, p],
+            i,
+        ),
         "docqa_attention_bf16_exp": ([p, p, i64], i),
         "docqa_attention_bf16_dims": ([], i),
         "docqa_decode_attention_tiled": ([i, i, i], i),
@@ -114,9 +119,11 @@ def bf16_unit_rows() -> int:
 def bf16_kernel_supports(
     q_dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int, dim: int
 ) -> bool:
-    """Whether ``attention_bf16`` takes these shapes on this CPU (AVX512-BF16, bf16 q and K/V,
-    head_dim 64 or 128, at most BF16_MAX_ROWS query heads per KV head)."""
-    if q_dtype != torch.bfloat16 or kv_dtype != torch.bfloat16 or dim not in (64, 128):
+    """Whether ``attention_bf16`` takes these shapes on this CPU (AVX512-BF16, bf16 q, bf16 or
+    8-bit K/V, head_dim 64 or 128, at most BF16_MAX_ROWS query heads per KV head)."""
+    if q_dtype != torch.bfloat16 or dim not in (64, 128):
+        return False
+    if kv_dtype != torch.bfloat16 and not kv_quant.is_kv8(kv_dtype):
         return False
     if num_heads % num_kv_heads or num_heads // num_kv_heads > BF16_MAX_ROWS:
         return False
@@ -266,7 +273,8 @@ def attention_bf16(
     # strides, when already known (the same for every layer of a step)
 ) -> torch.Tensor:
     """Attention of prompt and decode tokens alike, read in place from the pool and written in
-    place into ``out`` (``docqa_attention_bf16``)."""
+    place into ``out`` (``docqa_attention_bf16``; over 8-bit caches, with their scales,
+    ``docqa_attention_bf16_kv8``)."""
     assert q.dtype == torch.bfloat16 and q.stride(2) == 1 and q.stride(1) == q.shape[2]
     assert out.dtype == torch.bfloat16 and out.is_contiguous() and out.shape[1:] == q.shape[1:]
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -278,7 +286,14 @@ def attention_bf16(
     if offsets is None:  # held until the call returns
         offsets = (q_rows * q.stride(0), q_rows * out.stride(0))
     q_start, out_start = offsets
-    rc = decode_attention_library().docqa_attention_bf16(
+    lib = decode_attention_library()
+    fn, extra = lib.docqa_attention_bf16, []
+    if kv_quant.is_kv8(k_cache.dtype):
+        fn = lib.docqa_attention_bf16_kv8
+        fmt = kv_quant.FORMAT_CODE[k_cache.dtype]
+        extra = [fmt, kv_quant.scales_of(k_cache)[0].data_ptr()]
+        extra.append(kv_quant.scales_of(v_cache)[0].data_ptr())
+    rc = fn(
         q.data_ptr(),
         q_start.data_ptr(),
         q_rows.shape[0],
@@ -298,6 +313,7 @@ def attention_bf16(
         out.data_ptr(),
         out_start.data_ptr(),
         torch.get_num_threads(),
+        *extra,
     )
     if rc != 0:
         raise ValueError("bf16 attention kernel: shape or groups outside its limits")

@@ -12,6 +12,7 @@ import subprocess
 
 import torch
 
+from inference import kv_quant
 from inference.kernels.cpu.build import CSRC, KernelBuildError, build, kernels_enabled
 
 log = logging.getLogger("docqa.engine")
@@ -38,6 +39,8 @@ def elementwise_library() -> ctypes.CDLL | None:
         fn.argtypes, fn.restype = [p, i64, i, i, p, i64, i], i
         fn = getattr(lib, f"docqa_rotary_store_{suffix}")
         fn.argtypes, fn.restype = [p, i64, i, i, i, i, p, p, p, p, p, p, i], i
+    fn = lib.docqa_rotary_store_bf16_kv8
+    fn.argtypes, fn.restype = [p, i64, i, i, i, i, p, p, p, p, p, p, p, p, i, i], i
     lib.docqa_argmax_f32.argtypes, lib.docqa_argmax_f32.restype = [p, i, i, i64, p, i], i
     return lib
 
@@ -136,18 +139,19 @@ def rotary_store(
     cos: torch.Tensor,  # [max positions, d], qkv's dtype
     sin: torch.Tensor,
     slots: torch.Tensor,  # [n] int64, the token's cache slot (block * block_size + offset), -1 none
-    k_cache: torch.Tensor,  # [blocks, block_size, kv heads, d], qkv's dtype
+    k_cache: torch.Tensor,  # [blocks, block_size, kv heads, d], qkv's dtype or 8-bit (bf16 qkv)
     v_cache: torch.Tensor,
 ) -> None:
     """Rotary embedding of the query and key heads in place, then each token's key and value
-    heads stored in its cache slot: one pass per token."""
+    heads stored in its cache slot: one pass per token. An 8-bit cache (``kv_quant``) stores
+    them quantized with its layer's scales."""
     n = qkv.shape[0]
     d = cos.shape[1]
     assert qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * d
     assert cos.is_contiguous() and sin.is_contiguous() and k_cache.is_contiguous()
     assert v_cache.is_contiguous() and positions.dtype == slots.dtype == torch.int64
-    assert cos.dtype == sin.dtype == k_cache.dtype == v_cache.dtype == qkv.dtype
-    rc = _elementwise("rotary_store", qkv.dtype)(
+    assert cos.dtype == sin.dtype == qkv.dtype and k_cache.dtype == v_cache.dtype
+    args = [
         qkv.data_ptr(),
         qkv.stride(0),
         n,
@@ -160,7 +164,15 @@ def rotary_store(
         slots.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
-        torch.get_num_threads(),
-    )
+    ]
+    if kv_quant.is_kv8(k_cache.dtype):
+        assert qkv.dtype == torch.bfloat16
+        k_inv, v_inv = kv_quant.scales_of(k_cache)[1], kv_quant.scales_of(v_cache)[1]
+        fn = elementwise_library().docqa_rotary_store_bf16_kv8
+        args += [k_inv.data_ptr(), v_inv.data_ptr(), kv_quant.FORMAT_CODE[k_cache.dtype]]
+    else:
+        assert k_cache.dtype == qkv.dtype
+        fn = _elementwise("rotary_store", qkv.dtype)
+    rc = fn(*args, torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"rotary_store: bad shape {tuple(qkv.shape)}")

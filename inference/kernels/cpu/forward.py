@@ -22,6 +22,7 @@ import subprocess
 
 import torch
 
+from inference import kv_quant
 from inference.attention.metadata import AttentionMetadata
 from inference.kernels.cpu import attention as attention_kernels
 from inference.kernels.cpu import elementwise, linear
@@ -51,6 +52,7 @@ class _ModelDesc(ctypes.Structure):
         ("block_size", _i32),
         ("eps", _f),
         ("scale", _f),
+        ("kv_format", _i32),
     ]
 
 
@@ -67,6 +69,10 @@ class _LayerDesc(ctypes.Structure):
             "qkv_bias",
             "k_cache",
             "v_cache",
+            "k_scale",
+            "v_scale",
+            "k_inv",
+            "v_inv",
         )
     ]
 
@@ -159,12 +165,17 @@ class CPUForward:
             product = getattr(linear.linear_library(), f"docqa_linear_{suffix}")
         attn_lib = attention_kernels.decode_attention_library()
         attention = attn_lib.docqa_attention_bf16 if self.bf16 else attn_lib.docqa_decode_attention
+        rotary = getattr(el, f"docqa_rotary_store_{suffix}")
+        kv_dtype = kv_caches[0][0].dtype
+        kv_format = kv_quant.FORMAT_CODE.get(kv_dtype, 0)
+        if kv_format:  # 8-bit caches (bf16 only: build)
+            attention, rotary = attn_lib.docqa_attention_bf16_kv8, el.docqa_rotary_store_bf16_kv8
         block_size = kv_caches[0][0].shape[1]
         self.desc = _ModelDesc(
             linear=_address(product),
             add_rms_norm=_address(getattr(el, f"docqa_add_rms_norm_{suffix}")),
             silu_mul=_address(getattr(el, f"docqa_silu_mul_{suffix}")),
-            rotary_store=_address(getattr(el, f"docqa_rotary_store_{suffix}")),
+            rotary_store=_address(rotary),
             attention=_address(attention),
             amx=int(amx),
             bf16=int(self.bf16),
@@ -177,6 +188,7 @@ class CPUForward:
             block_size=block_size,
             eps=cfg.rms_norm_eps,
             scale=model.scale,
+            kv_format=kv_format,
         )
         layers = (_LayerDesc * cfg.num_layers)()
         for d, lw, (k_cache, v_cache) in zip(layers, model.layers, kv_caches, strict=True):
@@ -187,6 +199,10 @@ class CPUForward:
             bias = lw.qkv.compiled()[2]
             d.qkv_bias = None if bias is None else bias.data_ptr()
             d.k_cache, d.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+            if kv_format:
+                (ks, ki), (vs, vi) = kv_quant.scales_of(k_cache), kv_quant.scales_of(v_cache)
+                d.k_scale, d.k_inv = ks.data_ptr(), ki.data_ptr()
+                d.v_scale, d.v_inv = vs.data_ptr(), vi.data_ptr()
         self.layers = layers
         self.step = _StepDesc()
         # linear.c's partial sums, for products whose terms exceed its K_BLOCK: a row block of
@@ -235,11 +251,14 @@ class CPUForward:
         ):
             return None
         k_cache = kv_caches[0][0]
-        if any(t.dtype != dtype or not t.is_contiguous() for pair in kv_caches for t in pair):
+        kv_dtype = k_cache.dtype  # the compute dtype's, or 8-bit under bf16
+        if kv_dtype != dtype and not (kv_quant.is_kv8(kv_dtype) and dtype == torch.bfloat16):
+            return None
+        if any(t.dtype != kv_dtype or not t.is_contiguous() for pair in kv_caches for t in pair):
             return None
         heads, kvh, d, bs = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, k_cache.shape[1]
         if dtype == torch.bfloat16:
-            if not attention_kernels.bf16_kernel_supports(dtype, dtype, heads, kvh, d):
+            if not attention_kernels.bf16_kernel_supports(dtype, kv_dtype, heads, kvh, d):
                 return None
         elif not attention_kernels.decode_kernel_supports(dtype, dtype, heads, kvh, d, bs):
             return None

@@ -12,6 +12,13 @@ Every dot product takes at least 16 rows, columns and depth (what the GPU compil
 tokens) at a time. fp32 inputs use ``input_precision="ieee"`` (a GPU otherwise uses tf32).
 Softmax statistics are kept in fp32.
 
+8-bit caches (``inference/kv_quant.py``: int8, or fp8 e4m3 read natively by the GPU) carry
+their layer's scales [num_kv_heads, head_dim]: ``store_kv`` quantizes each element with its
+channel's reciprocal scale (int8: nearest even, clamped to +-127; fp8: clamped to +-448, the
+conversion's nearest even), and the attention kernels read a block's keys and values times
+their scales, in the queries' dtype (exact: the scales are powers of two), before the same
+products as a 16-bit cache.
+
 On a machine without a GPU these kernels run under Triton's interpreter: set
 ``TRITON_INTERPRET=1`` before this module is imported.
 """
@@ -23,6 +30,8 @@ from collections import Counter
 import torch
 import triton
 import triton.language as tl
+
+from inference import kv_quant
 
 DECODE_PARTITION = 512  # keys per decode split; fixed for batch invariance
 PREFILL_BLOCK_M = 16  # queries per prefill program
@@ -45,6 +54,11 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
     nb, bs, kvh, d = k_cache.shape
+    if kv_quant.is_kv8(k_cache.dtype):
+        for c in (k_cache, v_cache):
+            sc, inv = kv_quant.scales_of(c)
+            if sc.shape != (kvh, d) or not sc.is_contiguous() or not inv.is_contiguous():
+                raise ValueError(f"an 8-bit cache's scales must be [{kvh}, {d}], contiguous")
     if bs < _MIN_DOT or bs & (bs - 1):
         raise ValueError(f"block_size must be a power of two >= {_MIN_DOT}, got {bs}")
     return nb, bs, kvh, d
@@ -74,7 +88,7 @@ def _check_attention(
         )
     if q.stride(-1) != 1:
         raise ValueError("q must be contiguous in head_dim")
-    if q.dtype != k_cache.dtype:
+    if q.dtype != k_cache.dtype and not kv_quant.is_kv8(k_cache.dtype):
         raise ValueError(f"q is {q.dtype} but the cache is {k_cache.dtype}")
     _check_int(block_tables, "block_tables", 2)
     _check_int(seq_lens, "seq_lens", 1)
@@ -89,6 +103,52 @@ def _check_attention(
     return bs, kvh, d, out
 
 
+def _scales(k_cache: torch.Tensor, v_cache: torch.Tensor, inverse: bool = False):
+    """The kernels' KV8 code (0: a 16/32-bit cache) and the K and V scales (reciprocals with
+    ``inverse``); for a 16/32-bit cache the caches themselves stand in (never read)."""
+    code = kv_quant.FORMAT_CODE.get(k_cache.dtype, 0)
+    if not code:
+        return 0, k_cache, v_cache
+    i = 1 if inverse else 0
+    return code, kv_quant.scales_of(k_cache)[i], kv_quant.scales_of(v_cache)[i]
+
+
+@triton.jit
+def _e4m3_bits(v):
+    """float32 v (|v| <= 448) as fp8 e4m3 bits, nearest even, subnormals kept: the bit steps
+    of torch's conversion (csrc/elementwise.c has the same), written out so that every
+    backend of Triton, its interpreter included, gives the same bits."""
+    u = v.to(tl.uint32, bitcast=True)
+    sign = u & 0x80000000
+    u = u ^ sign
+    odd = (u >> 20) & 1
+    normal = (u - (120 << 23) + 0x7FFFF + odd) >> 20
+    magic = 141 << 23  # 2^14: adding it rounds a subnormal's bits into place
+    f = u.to(tl.float32, bitcast=True) + 16384.0
+    sub = f.to(tl.uint32, bitcast=True) - magic
+    bits = tl.where(u < (121 << 23), sub, normal) | (sign >> 24)
+    return (bits & 0xFF).to(tl.uint8)
+
+
+@triton.jit
+def _quantize(x, inv, KV8: tl.constexpr):
+    """float32 x times its reciprocal scales, as the cache's 8 bits (module docstring): int8
+    values, or fp8 e4m3 bits (stored through a uint8 view of the cache)."""
+    v = x * inv
+    if KV8 == 1:  # int8: round half to even by the float32 magic number, then clamp
+        v = (v + 12582912.0) - 12582912.0
+        return tl.minimum(tl.maximum(v, -127.0), 127.0).to(tl.int8)
+    return _e4m3_bits(tl.minimum(tl.maximum(v, -448.0), 448.0))
+
+
+@triton.jit
+def _dequantize(x, scale, KV8: tl.constexpr, out_ty: tl.constexpr):
+    """An 8-bit block [keys, D] times its channels' scales [D], in out_ty."""
+    if KV8 == 0:
+        return x
+    return (x.to(tl.float32) * scale[None, :]).to(out_ty)
+
+
 # -- store_kv ------------------------------------------------------------------------------------
 @triton.jit
 def _store_kv_kernel(
@@ -97,6 +157,8 @@ def _store_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    k_inv_ptr,  # 8-bit caches: [KVH, D] reciprocal scales
+    v_inv_ptr,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -105,6 +167,7 @@ def _store_kv_kernel(
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    KV8: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -115,8 +178,15 @@ def _store_kv_kernel(
     k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
     dst = slot * (KVH * D) + h * D + d
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if KV8 != 0:
+        hd = (h < KVH) & (d < D)
+        k_inv = tl.load(k_inv_ptr + h * D + d, mask=hd, other=1.0)
+        v_inv = tl.load(v_inv_ptr + h * D + d, mask=hd, other=1.0)
+        tl.store(k_cache_ptr + dst, _quantize(k.to(tl.float32), k_inv, KV8), mask=mask)
+        tl.store(v_cache_ptr + dst, _quantize(v.to(tl.float32), v_inv, KV8), mask=mask)
+    else:
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(
@@ -141,12 +211,15 @@ def store_kv(
     if n == 0:
         return
     LAUNCHES["store_kv"] += 1
+    kv8, k_inv, v_inv = _scales(k_cache, v_cache, inverse=True)
     _store_kv_kernel[(n,)](
         key,
         value,
-        k_cache,
-        v_cache,
+        kv_quant.raw(k_cache) if kv8 == 2 else k_cache,  # fp8: its bits (_e4m3_bits)
+        kv_quant.raw(v_cache) if kv8 == 2 else v_cache,
         slot_mapping,
+        k_inv,
+        v_inv,
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -155,6 +228,7 @@ def store_kv(
         D=d,
         BLOCK_H=_pow2(kvh),
         BLOCK_D=_pow2(d),
+        KV8=kv8,
     )
 
 
@@ -186,6 +260,8 @@ def _decode_partition_kernel(
     v_cache_ptr,
     block_tables_ptr,
     seq_lens_ptr,
+    k_scale_ptr,  # 8-bit caches: [KVH, D] scales
+    v_scale_ptr,
     part_out_ptr,  # [num_seqs, num_heads, max_parts, D] fp32
     part_m_ptr,  # [num_seqs, num_heads, max_parts] fp32
     part_l_ptr,
@@ -202,6 +278,7 @@ def _decode_partition_kernel(
     BLOCK_D: tl.constexpr,
     PARTITION: tl.constexpr,
     IEEE: tl.constexpr,
+    KV8: tl.constexpr,
 ):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -217,6 +294,12 @@ def _decode_partition_kernel(
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
+    if KV8 != 0:
+        k_sc = tl.load(k_scale_ptr + kvh * D + d, mask=d_mask, other=0.0)
+        v_sc = tl.load(v_scale_ptr + kvh * D + d, mask=d_mask, other=0.0)
+    else:
+        k_sc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        v_sc = k_sc
     start = part * PARTITION
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -230,6 +313,8 @@ def _decode_partition_kernel(
             kv_mask = d_mask[None, :]
             k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            k = _dequantize(k, k_sc, KV8, q.dtype)
+            v = _dequantize(v, v_sc, KV8, q.dtype)
             visible = (pos0 + offs)[None, :] < seq_len
             m_i, l_i, acc = _attend_block(q, k, v, visible, m_i, l_i, acc, scale, IEEE)
     base = (s * (KVH * GROUP) + heads) * max_parts + part
@@ -303,12 +388,15 @@ def paged_decode_attention(
     part_l = torch.empty_like(part_m)
     group = num_heads // kvh
     LAUNCHES["paged_decode_attention"] += 1
+    kv8, k_scale, v_scale = _scales(k_cache, v_cache)
     _decode_partition_kernel[(num_seqs, kvh, max_parts)](
         q,
         k_cache,
         v_cache,
         block_tables,
         seq_lens,
+        k_scale,
+        v_scale,
         part_out,
         part_m,
         part_l,
@@ -325,6 +413,7 @@ def paged_decode_attention(
         BLOCK_D=max(_MIN_DOT, _pow2(d)),
         PARTITION=DECODE_PARTITION,
         IEEE=q.dtype == torch.float32,
+        KV8=kv8,
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](
         part_out,
@@ -352,6 +441,8 @@ def _prefill_kernel(
     block_tables_ptr,
     cu_q_ptr,
     seq_lens_ptr,
+    k_scale_ptr,  # 8-bit caches: [KVH, D] scales
+    v_scale_ptr,
     out_ptr,
     scale,
     stride_qt,
@@ -366,6 +457,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IEEE: tl.constexpr,
+    KV8: tl.constexpr,
 ):
     s = tl.program_id(0)
     h = tl.program_id(1)
@@ -385,6 +477,12 @@ def _prefill_kernel(
             mask=i_mask[:, None] & d_mask[None, :],
             other=0.0,
         )
+        if KV8 != 0:
+            k_sc = tl.load(k_scale_ptr + kvh * D + d, mask=d_mask, other=0.0)
+            v_sc = tl.load(v_scale_ptr + kvh * D + d, mask=d_mask, other=0.0)
+        else:
+            k_sc = tl.zeros([BLOCK_D], dtype=tl.float32)
+            v_sc = k_sc
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -395,6 +493,8 @@ def _prefill_kernel(
             row = (blk * BS + offs) * (KVH * D) + kvh * D
             k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
             v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
+            k = _dequantize(k, k_sc, KV8, q.dtype)
+            v = _dequantize(v, v_sc, KV8, q.dtype)
             visible = (j * BS + offs)[None, :] <= q_pos[:, None]
             m_i, l_i, acc = _attend_block(q, k, v, visible, m_i, l_i, acc, scale, IEEE)
         res = acc / l_i[:, None]
@@ -430,6 +530,7 @@ def paged_prefill_attention(
     num_heads = q.shape[1]
     grid = (num_seqs, num_heads, -(-max_query_len // PREFILL_BLOCK_M))
     LAUNCHES["paged_prefill_attention"] += 1
+    kv8, k_scale, v_scale = _scales(k_cache, v_cache)
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -437,6 +538,8 @@ def paged_prefill_attention(
         block_tables,
         cu_seqlens_q,
         seq_lens,
+        k_scale,
+        v_scale,
         out,
         scale,
         q.stride(0),
@@ -451,5 +554,6 @@ def paged_prefill_attention(
         BLOCK_M=PREFILL_BLOCK_M,
         BLOCK_D=max(_MIN_DOT, _pow2(d)),
         IEEE=q.dtype == torch.float32,
+        KV8=kv8,
     )
     return out

@@ -1099,13 +1099,13 @@ static inline __attribute__((always_inline)) void bf_weighted_values(
     int pf = 0; /* next-round keys fetched so far */                                           \
     if (r0 == from)                                                                            \
         for (int j = 0; j < n; j++)                                                            \
-            for (int c = 0; c < DIM * 2; c += 64)                                              \
-                _mm_prefetch((const char *)(v_cache + row_at[j]) + c, _MM_HINT_T1);
+            for (int c = 0; c < DIM * ESZ; c += 64)                                            \
+                _mm_prefetch((const char *)v_cache + row_at[j] * ESZ + c, _MM_HINT_T1);
 #define BF_FETCH(i, of)                                                                        \
     for (; pf < n2 && pf * (of) < ((i) + 1) * n2; pf++)                                        \
-        for (int c = 0; c < DIM * 2; c += 64) {                                                \
-            _mm_prefetch((const char *)(k_cache + next_at[pf]) + c, _MM_HINT_T1);              \
-            _mm_prefetch((const char *)(v_cache + next_at[pf]) + c, _MM_HINT_T1);              \
+        for (int c = 0; c < DIM * ESZ; c += 64) {                                              \
+            _mm_prefetch((const char *)k_cache + next_at[pf] * ESZ + c, _MM_HINT_T1);          \
+            _mm_prefetch((const char *)v_cache + next_at[pf] * ESZ + c, _MM_HINT_T1);          \
         }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
@@ -1189,6 +1189,37 @@ static inline __attribute__((always_inline)) void bf_key_scores(
 int docqa_attention_amx_init(void) { return -1; }
 #endif
 
+/* 8-bit caches (inference/kv_quant.py): 16 elements of a row as float32, int8 (FMT 1) or
+ * fp8 e4m3 (FMT 2; its bits placed in a half float's, which reads 2^-8 times the value: the
+ * scales carry the 2^8). */
+static inline __attribute__((always_inline)) __m512 bf_kv8_load16(const uint8_t *p,
+                                                                  const int FMT) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    if (FMT == 1) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    const __m256i w = _mm256_cvtepu8_epi16(b);
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
+    const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7);
+    return _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
+}
+
+/* A round's n rows of an 8-bit cache times their channels' scales (powers of two, so the bf16
+ * values are exact) into dst, row j at j * DIM; rows n up to the next multiple of 16 zero. */
+static inline __attribute__((always_inline)) void bf_dequant(uint16_t *dst, const uint8_t *src,
+                                                             const int64_t *row_at, int n,
+                                                             const __m512 *sc, const int DIM,
+                                                             const int FMT) {
+    for (int j = 0; j < n; j++) {
+        const uint8_t *r = src + row_at[j];
+        for (int c = 0; c < DIM / 32; c++) {
+            const __m512 lo = _mm512_mul_ps(bf_kv8_load16(r + 32 * c, FMT), sc[2 * c]);
+            const __m512 hi = _mm512_mul_ps(bf_kv8_load16(r + 32 * c + 16, FMT), sc[2 * c + 1]);
+            _mm512_store_si512(dst + j * DIM + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    }
+    const int tail = (n + 15) / 16 * 16;
+    if (tail > n) memset(dst + (int64_t)n * DIM, 0, (size_t)(tail - n) * DIM * 2);
+}
+
 /* Raw scores of the round's keys j0 .. j0 + KEYS - 1 for NB blocks of 16 rows in lanes (the
  * rows from b0 on, in the unit's queries by pairs qtt: pair p of row r at qtt[p * BF_QT_W +
  * r]): S[b][j] = the products of key j's pairs with block b's rows, summed over the pairs in
@@ -1229,9 +1260,18 @@ _Static_assert(BF_WIDE_BLOCKS == 3, "bf_run_keys calls bf_wide_scores for 3, 2 o
  * place against the queries by pairs (qtt again), 16 rows in lanes (bf_softmax_rows: the same
  * bits). The V staging and the softmax's arithmetic are the same on every path. */
 static inline __attribute__((always_inline)) void bf_run_keys(
-    BfRows *st, int lo, int hi, const uint32_t *qtt, const uint16_t *k_cache,
-    const uint16_t *v_cache, const int32_t *table, int from, int to, int kv_head,
-    int num_kv_heads, const int DIM, int block_size, float scale, const int AMX) {
+    BfRows *st, int lo, int hi, const uint32_t *qtt, const void *k_cache, const void *v_cache,
+    const int32_t *table, int from, int to, int kv_head, int num_kv_heads, const int DIM,
+    int block_size, float scale, const int AMX, const int FMT, const __m512 *k_sc,
+    const __m512 *v_sc) {
+    const int ESZ = FMT ? 1 : 2; /* bytes per cache element */
+    /* 8-bit caches: each round's K and V rows dequantized (bf_dequant) into kq and vq, which
+     * the round reads in place of the pool (key j's row at ident[j]) */
+    uint16_t kq[FMT ? ROUND * BF_MAX_DIM : 1] __attribute__((aligned(64)));
+    uint16_t vq[FMT ? ROUND * BF_MAX_DIM : 1] __attribute__((aligned(64)));
+    int64_t ident[ROUND];
+    if (FMT)
+        for (int j = 0; j < ROUND; j++) ident[j] = (int64_t)j * DIM;
     const int NP = DIM / 2;    /* bf16 pairs of a row */
     const int NV = DIM / 16;   /* output vectors of a row */
     const int64_t key_stride = (int64_t)num_kv_heads * DIM;
@@ -1256,14 +1296,24 @@ static inline __attribute__((always_inline)) void bf_run_keys(
         const int n = to - r0 < ROUND ? to - r0 : ROUND;
         const int64_t *row_at = at[cur];
         BF_NEXT_ROUND();
-        bf_stage(kt, vp, k_cache, v_cache, row_at, n, DIM, !wide && !AMX);
+        const uint16_t *kc = (const uint16_t *)k_cache, *vc = (const uint16_t *)v_cache;
+        const int64_t *rows_at = row_at;
+        if (FMT) {
+            bf_dequant(kq, (const uint8_t *)k_cache, row_at, n, k_sc, DIM, FMT);
+            bf_dequant(vq, (const uint8_t *)v_cache, row_at, n, v_sc, DIM, FMT);
+            kc = kq;
+            vc = vq;
+            rows_at = ident;
+        }
+        bf_stage(kt, vp, kc, vc, rows_at, n, DIM, !wide && !AMX);
 #ifdef BF_AMX
         if (AMX) {
             float sc[16][ROUND] __attribute__((aligned(64)));
             float sc_t[ROUND][16] __attribute__((aligned(64)));
             float ov[16][16] __attribute__((aligned(64)));
             BfKeyTiles ktiles;
-            bf_key_tiles(&ktiles, k_cache, row_at, n, key_stride, block_size, DIM);
+            bf_key_tiles(&ktiles, kc, rows_at, n, FMT ? DIM : key_stride, FMT ? 16 : block_size,
+                         DIM);
             for (int b0 = lo; b0 < hi; b0 += 16) {
                 const int rows = hi - b0 < 16 ? hi - b0 : 16;
                 const int bi = (b0 - lo) / 16, nbk = (hi - lo + 15) / 16;
@@ -1344,11 +1394,11 @@ static inline __attribute__((always_inline)) void bf_run_keys(
                     BF_FETCH(bi0 / BF_WIDE_BLOCKS * steps + j0 / keys,
                              (blocks + BF_WIDE_BLOCKS - 1) / BF_WIDE_BLOCKS * steps);
                     if (nb == 3)
-                        bf_wide_scores(S, qtt, lo + 16 * bi0, 3, 8, k_cache, row_at, n, NP, j0);
+                        bf_wide_scores(S, qtt, lo + 16 * bi0, 3, 8, kc, rows_at, n, NP, j0);
                     else if (nb == 2)
-                        bf_wide_scores(S, qtt, lo + 16 * bi0, 2, 8, k_cache, row_at, n, NP, j0);
+                        bf_wide_scores(S, qtt, lo + 16 * bi0, 2, 8, kc, rows_at, n, NP, j0);
                     else
-                        bf_wide_scores(S, qtt, lo + 16 * bi0, 1, 16, k_cache, row_at, n, NP, j0);
+                        bf_wide_scores(S, qtt, lo + 16 * bi0, 1, 16, kc, rows_at, n, NP, j0);
                 }
                 for (int b = 0; b < nb; b++) {
                     const int b0 = lo + 16 * (bi0 + b);
@@ -1395,10 +1445,20 @@ static inline __attribute__((always_inline)) void bf_run_keys(
 static inline __attribute__((always_inline)) void bf_unit(
     const uint16_t *q, const int64_t *q_rows, int members, const int32_t *tables,
     int64_t table_stride, const int32_t *ctx, int shared, int kv_head, int group,
-    int num_kv_heads, const int DIM, const uint16_t *k_cache, const uint16_t *v_cache,
-    int block_size, float scale, uint16_t *out, const int64_t *out_rows) {
+    int num_kv_heads, const int DIM, const void *k_cache, const void *v_cache, int block_size,
+    float scale, uint16_t *out, const int64_t *out_rows, const int FMT, const float *k_scale,
+    const float *v_scale) {
     const int NV = DIM / 16;
     BfRows st;
+    /* 8-bit caches: this KV head's scales, fp8's times 2^8 (bf_kv8_load16) */
+    __m512 k_sc[BF_MAX_DIM / 16], v_sc[BF_MAX_DIM / 16];
+    if (FMT) {
+        const __m512 unit = _mm512_set1_ps(FMT == 2 ? 256.0f : 1.0f);
+        for (int v = 0; v < NV; v++) {
+            k_sc[v] = _mm512_mul_ps(_mm512_loadu_ps(k_scale + kv_head * DIM + 16 * v), unit);
+            v_sc[v] = _mm512_mul_ps(_mm512_loadu_ps(v_scale + kv_head * DIM + 16 * v), unit);
+        }
+    }
     const int rows = members * group;
     for (int i = 0; i < members; i++)
         for (int g = 0; g < group; g++) {
@@ -1430,12 +1490,12 @@ static inline __attribute__((always_inline)) void bf_unit(
     do {                                                                                       \
         if (shared > 0)                                                                        \
             bf_run_keys(&st, 0, rows, qtt, k_cache, v_cache, tables, 0, shared, kv_head,       \
-                        num_kv_heads, DIM, block_size, scale, AMX);                            \
+                        num_kv_heads, DIM, block_size, scale, AMX, FMT, k_sc, v_sc);           \
         for (int i = 0; i < members; i++)                                                      \
             if (ctx[i] > shared)                                                               \
                 bf_run_keys(&st, i * group, (i + 1) * group, qtt, k_cache, v_cache,            \
                             tables + i * table_stride, shared, ctx[i], kv_head, num_kv_heads,  \
-                            DIM, block_size, scale, AMX);                                      \
+                            DIM, block_size, scale, AMX, FMT, k_sc, v_sc);                     \
     } while (0)
     if (amx)
         BF_WALK(1);
@@ -1463,18 +1523,29 @@ static inline __attribute__((always_inline)) void bf_unit(
     }
 }
 
-/* The unit with the head size known to the compiler. */
-#define BF_SPECIALIZED(name, DIM)                                                                \
+/* The unit with the head size and the cache format known to the compiler. */
+typedef void (*bf_unit_fn)(const uint16_t *, const int64_t *, int, const int32_t *, int64_t,
+                           const int32_t *, int, int, int, int, const void *, const void *, int,
+                           float, uint16_t *, const int64_t *, const float *, const float *);
+#define BF_SPECIALIZED(name, DIM, FMT)                                                           \
     static void name(const uint16_t *q, const int64_t *q_rows, int members,                     \
                      const int32_t *tables, int64_t table_stride, const int32_t *ctx, int shared, \
-                     int kv_head, int group, int num_kv_heads, const uint16_t *k_cache,          \
-                     const uint16_t *v_cache, int block_size, float scale, uint16_t *out,        \
-                     const int64_t *out_rows) {                                                  \
+                     int kv_head, int group, int num_kv_heads, const void *k_cache,              \
+                     const void *v_cache, int block_size, float scale, uint16_t *out,            \
+                     const int64_t *out_rows, const float *k_scale, const float *v_scale) {      \
         bf_unit(q, q_rows, members, tables, table_stride, ctx, shared, kv_head, group,          \
-                num_kv_heads, DIM, k_cache, v_cache, block_size, scale, out, out_rows);          \
+                num_kv_heads, DIM, k_cache, v_cache, block_size, scale, out, out_rows, FMT,      \
+                k_scale, v_scale);                                                               \
     }
-BF_SPECIALIZED(bf_unit_d64, 64)
-BF_SPECIALIZED(bf_unit_d128, 128)
+BF_SPECIALIZED(bf_unit_d64, 64, 0)
+BF_SPECIALIZED(bf_unit_d128, 128, 0)
+BF_SPECIALIZED(bf_unit_d64_i8, 64, 1)
+BF_SPECIALIZED(bf_unit_d128_i8, 128, 1)
+BF_SPECIALIZED(bf_unit_d64_f8, 64, 2)
+BF_SPECIALIZED(bf_unit_d128_f8, 128, 2)
+static const bf_unit_fn bf_units[3][2] = {{bf_unit_d64, bf_unit_d128},
+                                          {bf_unit_d64_i8, bf_unit_d128_i8},
+                                          {bf_unit_d64_f8, bf_unit_d128_f8}};
 #else
 int docqa_attention_amx_init(void) { return -1; }
 #endif
@@ -1508,16 +1579,20 @@ int docqa_attention_bf16_dims(void) {
  * multiple of 64 or at least every context of its group (one prompt chunk: all its keys,
  * walked with the first token's table); and the output, bf16 [.., num_heads, dim], written
  * from element out_rows[t] for token t (the model's attention output rows, in place).
- * Returns 0, or -1 outside the limits. */
-int docqa_attention_bf16(const void *q, const int64_t *q_rows, int num_tokens,
-                         const int32_t *group_start, const int32_t *group_shared, int num_groups,
-                         const void *k_cache, const void *v_cache, const int32_t *block_tables,
-                         int64_t table_stride, const int32_t *ctx_lens, int num_heads,
-                         int num_kv_heads, int dim, int block_size, float scale, void *out,
-                         const int64_t *out_rows, int num_threads) {
+ * kv_format 0: bf16 caches; 1: int8, 2: fp8 e4m3 caches with their scales
+ * [num_kv_heads * dim] (inference/kv_quant.py). Returns 0, or -1 outside the limits. */
+static int attention_bf16(const void *q, const int64_t *q_rows, int num_tokens,
+                          const int32_t *group_start, const int32_t *group_shared,
+                          int num_groups, const void *k_cache, const void *v_cache,
+                          const int32_t *block_tables, int64_t table_stride,
+                          const int32_t *ctx_lens, int num_heads, int num_kv_heads, int dim,
+                          int block_size, float scale, void *out, const int64_t *out_rows,
+                          int num_threads, int kv_format, const float *k_scale,
+                          const float *v_scale) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
     if ((dim != 64 && dim != 128) || block_size <= 0 || num_kv_heads <= 0 ||
-        num_heads % num_kv_heads)
+        num_heads % num_kv_heads || kv_format < 0 || kv_format > 2 ||
+        (kv_format && (!k_scale || !v_scale)))
         return -1;
     const int group = num_heads / num_kv_heads;
     for (int u = 0; u < num_groups; u++) {
@@ -1530,6 +1605,7 @@ int docqa_attention_bf16(const void *q, const int64_t *q_rows, int num_tokens,
                 if (ctx_lens[t + i] > group_shared[u]) return -1;
     }
     const int units = num_groups * num_kv_heads;
+    const bf_unit_fn unit = bf_units[kv_format][dim == 128];
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
     {
 #ifdef BF_AMX
@@ -1538,19 +1614,11 @@ int docqa_attention_bf16(const void *q, const int64_t *q_rows, int num_tokens,
 #pragma omp for schedule(dynamic, 1)
         for (int u = 0; u < units; u++) {
             const int grp = u / num_kv_heads, h = u % num_kv_heads;
-            const int t = group_start[grp], members = group_start[grp + 1] - t;
-            const int32_t *tables = block_tables + (int64_t)t * table_stride;
-            uint16_t *o = (uint16_t *)out;
-            if (dim == 64)
-                bf_unit_d64((const uint16_t *)q, q_rows + t, members, tables, table_stride,
-                            ctx_lens + t, group_shared[grp], h, group, num_kv_heads,
-                            (const uint16_t *)k_cache, (const uint16_t *)v_cache, block_size,
-                            scale, o, out_rows + t);
-            else
-                bf_unit_d128((const uint16_t *)q, q_rows + t, members, tables, table_stride,
-                             ctx_lens + t, group_shared[grp], h, group, num_kv_heads,
-                             (const uint16_t *)k_cache, (const uint16_t *)v_cache, block_size,
-                             scale, o, out_rows + t);
+            const int t = group_start[grp];
+            unit((const uint16_t *)q, q_rows + t, group_start[grp + 1] - t,
+                 block_tables + (int64_t)t * table_stride, table_stride, ctx_lens + t,
+                 group_shared[grp], h, group, num_kv_heads, k_cache, v_cache, block_size, scale,
+                 (uint16_t *)out, out_rows + t, k_scale, v_scale);
         }
 #ifdef BF_AMX
         if (amx_ok) _tile_release();
@@ -1561,7 +1629,35 @@ int docqa_attention_bf16(const void *q, const int64_t *q_rows, int num_tokens,
     (void)q, (void)q_rows, (void)num_tokens, (void)group_start, (void)group_shared;
     (void)num_groups, (void)k_cache, (void)v_cache, (void)block_tables, (void)table_stride;
     (void)ctx_lens, (void)num_heads, (void)num_kv_heads, (void)dim, (void)block_size;
-    (void)scale, (void)out, (void)out_rows, (void)num_threads;
+    (void)scale, (void)out, (void)out_rows, (void)num_threads, (void)kv_format, (void)k_scale;
+    (void)v_scale;
     return -1;
 #endif
+}
+
+int docqa_attention_bf16(const void *q, const int64_t *q_rows, int num_tokens,
+                         const int32_t *group_start, const int32_t *group_shared, int num_groups,
+                         const void *k_cache, const void *v_cache, const int32_t *block_tables,
+                         int64_t table_stride, const int32_t *ctx_lens, int num_heads,
+                         int num_kv_heads, int dim, int block_size, float scale, void *out,
+                         const int64_t *out_rows, int num_threads) {
+    return attention_bf16(q, q_rows, num_tokens, group_start, group_shared, num_groups, k_cache,
+                          v_cache, block_tables, table_stride, ctx_lens, num_heads, num_kv_heads,
+                          dim, block_size, scale, out, out_rows, num_threads, 0, NULL, NULL);
+}
+
+/* docqa_attention_bf16 over 8-bit caches: kv_format 1 int8, 2 fp8 e4m3. */
+int docqa_attention_bf16_kv8(const void *q, const int64_t *q_rows, int num_tokens,
+                             const int32_t *group_start, const int32_t *group_shared,
+                             int num_groups, const void *k_cache, const void *v_cache,
+                             const int32_t *block_tables, int64_t table_stride,
+                             const int32_t *ctx_lens, int num_heads, int num_kv_heads, int dim,
+                             int block_size, float scale, void *out, const int64_t *out_rows,
+                             int num_threads, int kv_format, const float *k_scale,
+                             const float *v_scale) {
+    if (kv_format != 1 && kv_format != 2) return -1;
+    return attention_bf16(q, q_rows, num_tokens, group_start, group_shared, num_groups, k_cache,
+                          v_cache, block_tables, table_stride, ctx_lens, num_heads, num_kv_heads,
+                          dim, block_size, scale, out, out_rows, num_threads, kv_format, k_scale,
+                          v_scale);
 }

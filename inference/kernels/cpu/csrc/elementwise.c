@@ -144,6 +144,84 @@ int docqa_rotary_store_bf16(uint16_t *qkv, int64_t ldq, int n, int num_heads, in
     return 0;
 }
 
+/* An 8-bit KV cache (inference/kv_quant.py): each element times its channel's reciprocal
+ * scale (a power of two: exact), then int8 (nearest even, clamped to +-127) or fp8 e4m3
+ * (clamped to +-448, nearest even), the same bits as torch's conversions. */
+static inline uint8_t to_int8(float v) {
+    v = __builtin_rintf(v);
+    v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+    return (uint8_t)(int8_t)v;
+}
+
+static inline uint8_t to_fp8_e4m3(float v) {
+    v = v > 448.0f ? 448.0f : v < -448.0f ? -448.0f : v;
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    const uint32_t sign = u & 0x80000000u;
+    u ^= sign;
+    uint8_t r;
+    if (u < (121u << 23)) { /* below 2^-6: a subnormal of e4m3 (or zero), rounded by the add */
+        const uint32_t magic = 141u << 23;
+        float f, m;
+        memcpy(&f, &u, 4);
+        memcpy(&m, &magic, 4);
+        f += m;
+        memcpy(&u, &f, 4);
+        r = (uint8_t)(u - magic);
+    } else {
+        const uint32_t odd = (u >> 20) & 1u;
+        u += ((uint32_t)(7 - 127) << 23) + 0x7ffffu + odd;
+        r = (uint8_t)(u >> 20);
+    }
+    return r | (uint8_t)(sign >> 24);
+}
+
+static inline void store_kv8(uint8_t *dst, const uint16_t *src, const float *inv, int n,
+                             int format) {
+    if (format == 1)
+        for (int i = 0; i < n; i++) dst[i] = to_int8(bf2f(src[i]) * inv[i]);
+    else
+        for (int i = 0; i < n; i++) dst[i] = to_fp8_e4m3(bf2f(src[i]) * inv[i]);
+}
+
+/* docqa_rotary_store_bf16 into 8-bit caches: format 1 int8, 2 fp8 e4m3; k_inv and v_inv the
+ * reciprocal scales [kv heads * dim] of this layer. */
+int docqa_rotary_store_bf16_kv8(uint16_t *qkv, int64_t ldq, int n, int num_heads,
+                                int num_kv_heads, int dim, const int64_t *positions,
+                                const uint16_t *cos_t, const uint16_t *sin_t,
+                                const int64_t *slots, uint8_t *k_cache, uint8_t *v_cache,
+                                const float *k_inv, const float *v_inv, int format,
+                                int num_threads) {
+    if (n < 0 || dim <= 0 || dim % 2 || (format != 1 && format != 2)) return -1;
+    const int half = dim / 2, rot = num_heads + num_kv_heads;
+    const int kv_row = num_kv_heads * dim;
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (n >= PARALLEL_ROWS)
+    for (int t = 0; t < n; t++) {
+        uint16_t *row = qkv + (int64_t)t * ldq;
+        const uint16_t *c = cos_t + positions[t] * dim, *s = sin_t + positions[t] * dim;
+        float cf[dim], sf[dim];
+        for (int i = 0; i < dim; i++) {
+            cf[i] = bf2f(c[i]);
+            sf[i] = bf2f(s[i]);
+        }
+        for (int h = 0; h < rot; h++) {
+            uint16_t *restrict x1p = row + (int64_t)h * dim, *restrict x2p = x1p + half;
+            for (int i = 0; i < half; i++) {
+                const float x1 = bf2f(x1p[i]), x2 = bf2f(x2p[i]);
+                x1p[i] = f2bf(x1 * cf[i] - x2 * sf[i]);
+                x2p[i] = f2bf(x2 * cf[i + half] + x1 * sf[i + half]);
+            }
+        }
+        if (slots[t] >= 0) {
+            store_kv8(k_cache + slots[t] * kv_row, row + (int64_t)num_heads * dim, k_inv, kv_row,
+                      format);
+            store_kv8(v_cache + slots[t] * kv_row, row + (int64_t)rot * dim, v_inv, kv_row,
+                      format);
+        }
+    }
+    return 0;
+}
+
 /* ------------------------------------------------------------------------------------------
  * float32: the same steps as layers.rms_norm, F.silu(g) * u and RotaryTable.apply plus the
  * cache store compute them, within a few units in the last place (the sum of squares and the

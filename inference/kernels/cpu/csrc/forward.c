@@ -33,6 +33,19 @@ typedef int (*attn_bf16_fn)(const void *q, const int64_t *q_rows, int num_tokens
                             const int32_t *ctx_lens, int num_heads, int num_kv_heads, int dim,
                             int block_size, float scale, void *out, const int64_t *out_rows,
                             int num_threads);
+typedef int (*rotary_kv8_fn)(void *qkv, int64_t ldq, int n, int num_heads, int num_kv_heads,
+                             int dim, const int64_t *positions, const void *cos,
+                             const void *sin, const int64_t *slots, void *k_cache,
+                             void *v_cache, const float *k_inv, const float *v_inv, int format,
+                             int num_threads);
+typedef int (*attn_kv8_fn)(const void *q, const int64_t *q_rows, int num_tokens,
+                           const int32_t *group_start, const int32_t *group_shared,
+                           int num_groups, const void *k_cache, const void *v_cache,
+                           const int32_t *block_tables, int64_t table_stride,
+                           const int32_t *ctx_lens, int num_heads, int num_kv_heads, int dim,
+                           int block_size, float scale, void *out, const int64_t *out_rows,
+                           int num_threads, int kv_format, const float *k_scale,
+                           const float *v_scale);
 typedef int (*attn_f32_fn)(const void *q, int q_dtype, const int64_t *q_rows, int num_tokens,
                            const int32_t *group_start, const int32_t *group_shared,
                            int num_groups, const void *k_cache, const void *v_cache,
@@ -45,12 +58,14 @@ typedef struct {
     void *linear;       /* docqa_linear_f32 / docqa_linear_bf16, or docqa_linear_bf16_amx */
     void *add_rms_norm; /* docqa_add_rms_norm_{bf16,f32} */
     void *silu_mul;     /* docqa_silu_mul_{bf16,f32} */
-    void *rotary_store; /* docqa_rotary_store_{bf16,f32} */
-    void *attention;    /* docqa_attention_bf16 (bf16), or docqa_decode_attention (float32) */
+    void *rotary_store; /* docqa_rotary_store_{bf16,f32}, or _bf16_kv8 (8-bit caches) */
+    void *attention;    /* docqa_attention_bf16 (bf16), docqa_decode_attention (float32), or
+                         * docqa_attention_bf16_kv8 (bf16 over 8-bit caches) */
     int32_t amx;        /* 1: `linear` is the AMX kernel (no partial-sum buffer) */
     int32_t bf16;       /* 1: bf16 activations and caches; 0: float32 */
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, block_size;
     float eps, scale;
+    int32_t kv_format; /* 0: caches in the compute dtype; 1: int8, 2: fp8 e4m3 (bf16 only) */
 } ModelDesc;
 
 /* One layer's weights and caches (filled once per model and pool). */
@@ -59,6 +74,7 @@ typedef struct {
     const void *qkv, *o_proj, *gate_up, *down; /* packed for `linear` */
     const float *qkv_bias;              /* [qkv out] float32, or NULL */
     void *k_cache, *v_cache;            /* [blocks, block_size, kv heads, head_dim] */
+    const float *k_scale, *v_scale, *k_inv, *v_inv; /* 8-bit caches: [kv heads * head_dim] */
 } LayerDesc;
 
 /* One step: its rows, buffers (rows dense, row strides the widths below) and attention plan. */
@@ -111,10 +127,23 @@ int docqa_forward_layers(const ModelDesc *md, const LayerDesc *layers, const Ste
         STEP(norm(sd->h, H, l ? sd->delta : NULL, H, L->input_norm, sd->x, H, rows, H, md->eps,
                   t))
         STEP(product(md, sd, sd->x, H, L->qkv, qkv_n, H, L->qkv_bias, sd->qkv))
-        STEP(((rotary_fn)md->rotary_store)(sd->qkv, qkv_n, rows, md->num_heads,
-                                           md->num_kv_heads, D, sd->positions, sd->cos, sd->sin,
-                                           sd->slots, L->k_cache, L->v_cache, t))
-        if (md->bf16) {
+        if (md->kv_format) {
+            STEP(((rotary_kv8_fn)md->rotary_store)(
+                sd->qkv, qkv_n, rows, md->num_heads, md->num_kv_heads, D, sd->positions, sd->cos,
+                sd->sin, sd->slots, L->k_cache, L->v_cache, L->k_inv, L->v_inv, md->kv_format,
+                t))
+        } else {
+            STEP(((rotary_fn)md->rotary_store)(sd->qkv, qkv_n, rows, md->num_heads,
+                                               md->num_kv_heads, D, sd->positions, sd->cos,
+                                               sd->sin, sd->slots, L->k_cache, L->v_cache, t))
+        }
+        if (md->kv_format) {
+            STEP(((attn_kv8_fn)md->attention)(
+                sd->qkv, sd->q_start, sd->num_tokens, sd->group_start, sd->group_shared,
+                sd->num_groups, L->k_cache, L->v_cache, sd->tables, sd->table_stride, sd->ctx,
+                md->num_heads, md->num_kv_heads, D, md->block_size, md->scale, sd->attn,
+                sd->out_start, t, md->kv_format, L->k_scale, L->v_scale))
+        } else if (md->bf16) {
             STEP(((attn_bf16_fn)md->attention)(
                 sd->qkv, sd->q_start, sd->num_tokens, sd->group_start, sd->group_shared,
                 sd->num_groups, L->k_cache, L->v_cache, sd->tables, sd->table_stride, sd->ctx,
