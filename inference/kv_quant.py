@@ -157,4 +157,3 @@ def amax_of_cache(cache: torch.Tensor, num_slots: int) -> torch.Tensor:
     slots: [kv_heads, head_dim] float32."""
     nb, bs, kvh, d = cache.shape
     return cache.reshape(nb * bs, kvh, d)[:num_slots].float().abs().amax(dim=0)
-
