@@ -322,6 +322,7 @@ def cmd_serve(args) -> int:
 
     settings = Settings.from_env(
         model=args.model,
+        benchmark_weights=args.benchmark_weights,
         dtype=args.dtype,
         kv_cache_gib=args.kv_cache_gib,
         kv_dtype=args.kv_dtype,
@@ -455,7 +456,18 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the REST API (migrates the database first)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--model", default=None, help="model directory or name (default model)")
+    s.add_argument(
+        "--model",
+        default=None,
+        help="model directory or name (default model); random:NAME for a benchmark model",
+    )
+    s.add_argument(
+        "--benchmark-weights",
+        action="store_true",
+        default=None,
+        help="serve a random:NAME model (random weights of a known shape: answers are noise; "
+        "env DOCQA_BENCHMARK_WEIGHTS=1)",
+    )
     s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     s.add_argument(
         "--kv-cache-gib",

@@ -23,7 +23,7 @@ from inference import EngineConfig, LLMEngine, SamplingParams
 from inference.engine.llm_engine import StepFailure
 from inference.engine.sequence import Request
 from inference.errors import DocqaError
-from inference.llm import resolve_model
+from inference.llm import benchmark_seed, resolve_model
 from inference.metrics import RequestMetrics
 from inference.runner import prebuild_kernels
 from prefix_store import TierConfig
@@ -138,6 +138,7 @@ class EngineRunner:
         self.engine: LLMEngine | None = None
         self.builder: PromptBuilder | None = None
         self.model_name: str | None = None
+        self.random_weights = False  # a benchmark model (``random:NAME``): answers are noise
         self.started_at = time.time()
         self._cv = threading.Condition()
         # commands for the engine thread, each with the future its caller awaits (if any)
@@ -167,7 +168,9 @@ class EngineRunner:
             t0 = time.perf_counter()
             prebuild_kernels()  # a first start compiles beside the model's import
             model_dir = resolve_model(self._model)
-            engine = LLMEngine(EngineConfig(model_dir=model_dir, **self._engine_kwargs))
+            kwargs = {**benchmark_seed(self._model), **self._engine_kwargs}
+            engine = LLMEngine(EngineConfig(model_dir=model_dir, **kwargs))
+            self.random_weights = "random_weights_seed" in kwargs
             self.builder = PromptBuilder(engine.tokenizer)
             self.model_name = model_dir.name
             self.engine = engine

@@ -116,6 +116,8 @@ class Settings:
     # on SIGTERM, how long answers in flight may run on before they are cancelled (stored as
     # such) and the process exits; new requests get 503 meanwhile
     shutdown_grace_s: float = 30.0
+    # ``--model random:NAME`` (random weights of a known shape) is served only with this on
+    benchmark_weights: bool = False
 
     def __post_init__(self):
         if self.max_tokens_cap < 1:
@@ -136,10 +138,30 @@ class Settings:
         if self.redis_max_gib <= 0:
             raise ConfigError(f"DOCQA_REDIS_MAX_GIB must be positive, got {self.redis_max_gib}")
         self._check_kv_dtype()
+        self._check_benchmark_model()
         if not 0 <= self.shutdown_grace_s <= 3600:
             raise ConfigError(
                 f"DOCQA_SHUTDOWN_GRACE_S must be between 0 and 3600, got {self.shutdown_grace_s}"
             )
+
+    def _check_benchmark_model(self) -> None:
+        random_model = isinstance(self.model, str) and self.model.startswith("random:")
+        if random_model and not self.benchmark_weights:
+            raise ConfigError(
+                f"--model {self.model} draws random weights and answers noise, for benchmarks "
+                "only: add --benchmark-weights (DOCQA_BENCHMARK_WEIGHTS=1) to serve it"
+            )
+        if self.benchmark_weights and not random_model:
+            raise ConfigError("--benchmark-weights needs a benchmark model: --model random:NAME")
+        if random_model:
+            from inference.kv_sizing import KNOWN_CONFIGS
+
+            name = self.model[len("random:") :]
+            if name not in KNOWN_CONFIGS:
+                raise ConfigError(
+                    f"unknown benchmark shape {name!r} in --model {self.model}; known: "
+                    f"{', '.join(sorted(KNOWN_CONFIGS))}"
+                )
 
     def _check_kv_dtype(self) -> None:
         if self.kv_dtype is None:
@@ -187,6 +209,7 @@ class Settings:
             advertise_url=env.get("DOCQA_ADVERTISE_URL") or None,
             routing=_env_flag("DOCQA_ROUTING", True),
             shutdown_grace_s=_env_number("DOCQA_SHUTDOWN_GRACE_S", float, 30.0),
+            benchmark_weights=_env_flag("DOCQA_BENCHMARK_WEIGHTS", False),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         if "database_url" in overrides and overrides["database_url"]:

@@ -334,6 +334,9 @@ def summarize(
         else None,
         "engine": engine,
         "step_ms": engine["step_s"] * 1000 / steps if steps else None,
+        # of the level's wall time, the share the engine spent in model steps (the rest: its
+        # own work between steps, or idle waiting for the front end)
+        "model_share": engine["step_s"] / wall if steps else None,
         # the engine thread's time per step outside the model (scheduling, inputs, sampling,
         # the tokens' hand-off, waits for the interpreter lock)
         "outside_model_ms": (engine["iteration_s"] - engine["step_s"]) * 1000 / steps
@@ -511,9 +514,10 @@ def main() -> int:
         )
         print(
             "| clients | steps | ms per step | ms outside the model | decode tokens per step "
-            "| prompt tokens per step | ms per decode-only step | ms per mixed step |"
+            "| prompt tokens per step | ms per decode-only step | ms per mixed step "
+            "| wall time in model steps |"
         )
-        print("|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|")
 
         def ms(v: float | None) -> str:
             return "-" if v is None else f"{v:.1f}"
@@ -523,7 +527,8 @@ def main() -> int:
                 f"| {lvl['concurrency']} | {lvl['engine']['steps']:.0f} | {lvl['step_ms']:.1f} "
                 f"| {lvl['outside_model_ms']:.2f} "
                 f"| {lvl['decode_tokens_per_step']:.1f} | {lvl['prompt_tokens_per_step']:.1f} "
-                f"| {ms(lvl['decode_step_ms'])} | {ms(lvl['mixed_step_ms'])} |"
+                f"| {ms(lvl['decode_step_ms'])} | {ms(lvl['mixed_step_ms'])} "
+                f"| {lvl['model_share']:.1%} |"
             )
     decode = 1000 / base["tpot_p50_ms"] if base["tpot_p50_ms"] else float("nan")
     llama, llama_source = llama_cpp_decode()

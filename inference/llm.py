@@ -10,6 +10,7 @@ from inference.engine.llm_engine import LLMEngine
 from inference.engine.sampler import SamplingParams
 from inference.errors import ModelError
 from inference.metrics import RequestMetrics
+from inference.model import bench_model
 from inference.model.model_import import DEFAULT_MODEL_NAME, import_default_model, models_dir
 
 
@@ -26,9 +27,12 @@ class RequestOutput:
 
 def resolve_model(model: str | Path | None) -> Path:
     """None: the default model (imported on first use); a name under $DOCQA_HOME/models;
-    or a path to a Hugging Face layout directory."""
+    a path to a Hugging Face layout directory; or ``random:NAME``, a benchmark model
+    (``inference/model/bench_model.py``: its weights drawn by the engine)."""
     if model is None or str(model) == DEFAULT_MODEL_NAME:
         return import_default_model()
+    if bench_model.is_benchmark_model(model):
+        return bench_model.benchmark_model_dir(model)
     p = Path(model).expanduser()
     if (p / "config.json").is_file():
         return p
@@ -41,8 +45,16 @@ def resolve_model(model: str | Path | None) -> Path:
     )
 
 
+def benchmark_seed(model: str | Path | None) -> dict:
+    """The engine setting a ``random:NAME`` model needs (its weights' seed), else none."""
+    return (
+        {"random_weights_seed": bench_model.SEED} if bench_model.is_benchmark_model(model) else {}
+    )
+
+
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "auto", **engine_kwargs):
+        engine_kwargs = {**benchmark_seed(model), **engine_kwargs}
         self.engine = LLMEngine(
             EngineConfig(model_dir=resolve_model(model), dtype=dtype, **engine_kwargs)
         )

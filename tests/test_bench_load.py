@@ -1,4 +1,5 @@
-"""bench/load.py's accounting of the CPU time a virtual machine's hypervisor takes away."""
+"""bench/load.py's accounting of the CPU time a virtual machine's hypervisor takes away, and the
+one-command GPU run of the whole service (bench/gpu_service.sh) tried on the CPU."""
 
 from __future__ import annotations
 
@@ -56,3 +57,29 @@ def test_pooled_levels_add_their_steal_ticks():
     rounds[1][0] = load.summarize(16, 0.5, [_answer(120, 42)], 4.0, 0.1, None, None)
     assert rounds[1][0]["cpu_steal_share"] is None
     assert load.pooled(rounds)[0]["cpu_steal_share"] is None
+
+
+def test_the_gpu_service_run_works_on_the_cpu(default_model_dir, tmp_path):
+    """bench/gpu_service.sh --dry-run: the one-command GPU run of the whole service (benchmark
+    model, server, load, files under $OUT) on this CPU with a small shape, so it is known to
+    work before a GPU is at hand."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run(
+        ["bench/gpu_service.sh", "--dry-run"],
+        cwd=root,
+        env={**os.environ, "OUT": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    engine = json.loads((tmp_path / "gpu-service-engine.json").read_text())
+    assert engine["weights"] == "random" and engine["model"] == "random-smollm2-135m"
+    load = json.loads((tmp_path / "gpu-service-load.json").read_text())
+    level = load["levels"][0]
+    assert level["requests"] >= 2 and 0 < level["model_share"] <= 1

@@ -261,6 +261,7 @@ def test_service_reports_an_8_bit_pool(default_model_dir, sqlite_server, tmp_pat
         with srv.client() as c, sqlite_server.client() as base:
             e, b = c.get("/v1/engine").json(), base.get("/v1/engine").json()
             assert (e["kv_dtype"], b["kv_dtype"]) == ("int8", "bfloat16")
+            assert e["weights"] == b["weights"] == "files"
             assert e["kv_bytes_per_token"] * 2 == b["kv_bytes_per_token"] == 23040
             assert e["kv_capacity_tokens"] >= 1.95 * b["kv_capacity_tokens"]
             man = c.post("/v1/manuals", json={"title": "t", "text": MANUAL})

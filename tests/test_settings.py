@@ -18,6 +18,8 @@ def env(monkeypatch, tmp_path):
         "DOCQA_ADVERTISE_URL",
         "DOCQA_ROUTING",
         "DOCQA_API_KEYS",
+        "DOCQA_KV_DTYPE",
+        "DOCQA_BENCHMARK_WEIGHTS",
     ):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
@@ -52,6 +54,8 @@ def test_tier_options_reach_the_engine(env):
         ("DOCQA_REDIS_TTL_S", "0", "DOCQA_REDIS_TTL_S must be at least 1"),
         ("DOCQA_REDIS_MAX_GIB", "-1", "DOCQA_REDIS_MAX_GIB must be positive"),
         ("DOCQA_ROUTING", "maybe", "DOCQA_ROUTING must be on or off"),
+        ("DOCQA_KV_DTYPE", "int4", "must be one of float32, bfloat16, float16, int8, fp8"),
+        ("DOCQA_BENCHMARK_WEIGHTS", "on", "--benchmark-weights needs a benchmark model"),
     ],
 )
 def test_bad_values_are_refused_with_the_rule(env, name, value, message):
@@ -65,8 +69,17 @@ def test_bad_values_are_refused_with_the_rule(env, name, value, message):
     [
         ("max_num_batched_tokens", 8, "--max-batched-tokens must be at least 16"),
         ("prefill_tokens_with_decodes", -1, "--prefill-tokens-with-decodes must be 0"),
+        ("model", "random:llama-3-8b", "answers noise, for benchmarks only"),
     ],
 )
 def test_bad_options_are_refused_with_the_rule(env, option, value, message):
     with pytest.raises(ConfigError, match=message):
         Settings.from_env(**{option: value})
+
+
+def test_kv_dtype_and_benchmark_model_settings(env):
+    env.setenv("DOCQA_KV_DTYPE", "int8")
+    assert Settings.from_env().kv_dtype == "int8"
+    env.setenv("DOCQA_BENCHMARK_WEIGHTS", "1")
+    s = Settings.from_env(model="random:llama-3-8b")
+    assert s.benchmark_weights and s.model == "random:llama-3-8b"

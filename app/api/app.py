@@ -124,6 +124,7 @@ async def engine_info(state: State) -> EngineInfo:
     queries = c["prefix_cache_queries"]
     return EngineInfo(
         model=runner.model_name,
+        weights="random" if runner.random_weights else "files",
         dtype=dtype_name(device.dtype),
         kv_dtype=dtype_name(device.kv_dtype),
         device=str(device.device),

@@ -108,6 +108,13 @@ class ConversationList(Struct):
 # -- engine ----------------------------------------------------------------------------------------
 class EngineInfo(Struct):
     model: str
+    weights: Annotated[
+        str,
+        Meta(
+            description="files (the model's own), or random (a benchmark model, random:NAME: "
+            "its answers are noise)"
+        ),
+    ]
     dtype: str
     kv_dtype: str
     device: str

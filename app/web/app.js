@@ -441,7 +441,8 @@ async function refreshEngine() {
       fetch("/metrics").then((r) => (r.ok ? r.text() : "")),
     ]);
     const m = parseMetrics(text);
-    $("model").textContent = `${e.model} · ${e.dtype} on ${e.device} · ${e.attention_backend} attention`;
+    const weights = e.weights === "random" ? " (random weights: answers are noise)" : "";
+    $("model").textContent = `${e.model}${weights} · ${e.dtype} on ${e.device} · ${e.attention_backend} attention`;
     const rows = [
       ["KV capacity", `${fmt(e.kv_capacity_tokens)} tokens`],
       ["KV per token", `${fmt(e.kv_bytes_per_token)} bytes`],
