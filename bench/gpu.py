@@ -5,9 +5,13 @@
 1. Correctness: each Triton kernel (store_kv, paged_decode_attention, paged_prefill_attention)
    against the torch reference in float64, fp16 and bf16 inputs, GQA ratios 1 and 4.
 2. Kernel timings with CUDA events: decode attention's achieved bytes/s against a measured
-   device-to-device copy bandwidth; prefill attention's FLOP/s.
-3. The engine end to end on a random-weight model with a Llama-3-8B shape (bf16): cold and warm
-   TTFT for a question after an 8,000-token manual, and decode tokens/s at batch 1 and 32.
+   device-to-device copy bandwidth; prefill attention's FLOP/s at 8,192 x 8,192 causal, 512
+   new tokens over 8,192 cached, and 16 sequences of 512 tokens. The prefill kernel's result
+   for a prompt in one call and in chunks must be bitwise equal (a check that fails the run).
+3. The engine end to end on a random-weight model with a Llama-3-8B shape (bf16): cold TTFT at
+   2,000 and 8,000 tokens with its model FLOP utilisation (model FLOPs / time / the bf16 rate of
+   a large product measured in the same run), warm TTFT for a question after the 8,000-token
+   manual, and decode tokens/s at batch 1 and 32.
 4. An fp8 (e4m3) KV cache against bf16 KV: the attention kernels' relative error over the same
    keys and values, the store's bits against torch's conversion, and on the random-weight
    model greedy agreement of 8 answers of 32 tokens and the pool's capacity in tokens (one
@@ -156,6 +160,36 @@ def check_kernels(ta, dev, dry: bool) -> list[dict]:
             keep = slots >= 0
             exp = kc.clone()
             exp.view(-1, kvh, d)[slots[keep]] = key[keep]
+            # a prompt's tokens in one call and in chunks over the cached start: bitwise equal
+            # (key tiles fixed from position 0; a tile past a row changes nothing)
+            n = 70 if dry else 2900
+            ctab = random_tables([n], bs, nb, dev) if n <= nb * bs else None
+            if ctab is not None:
+                qc = torch.randn(n, heads, d, device=dev).to(dtype)
+
+                def run(a, b, qc=qc, ctab=ctab, kc=kc, vc=vc, d=d):
+                    cu2 = torch.tensor([0, b - a], dtype=torch.int32, device=dev)
+                    sl2 = torch.tensor([b], dtype=torch.int32, device=dev)
+                    return ta.paged_prefill_attention(qc[a:b], kc, vc, ctab, cu2, sl2, d**-0.5)
+
+                whole = run(0, n)
+                same = all(
+                    torch.equal(
+                        torch.cat([run(a, b) for a, b in zip(c, c[1:], strict=False)]), whole
+                    )
+                    for c in ([0, n // 3, n], [0, 1, 17, n - 1, n])
+                )
+                rows.append(
+                    {
+                        "kernel": "prefill_chunks_bitwise",
+                        "dtype": str(dtype).split(".")[1],
+                        "gqa": heads // kvh,
+                        # the interpreter's products are numpy's, whose rounding depends on a
+                        # row's place in the block: checked bitwise on a GPU only
+                        "rel_err": 0.0 if same or dry else 1.0,
+                        "all_written": True,
+                    }
+                )
             rows.append(
                 {
                     "kernel": "store_kv",
@@ -188,12 +222,20 @@ def cuda_time(fn, iters=20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def peak_matmul_tflops(dev, dry: bool) -> float:
+    """The device's 16-bit product rate (one large square product), for FLOP utilisations."""
+    m = 256 if dry else 8192
+    mat = torch.randn(m, m, device=dev, dtype=torch.float16 if dry else torch.bfloat16)
+    return 2 * m**3 / (cuda_time(lambda: mat @ mat, iters=10) / 1000) / 1e12
+
+
 def time_kernels(ta, dev, dry: bool) -> dict:
     x = torch.empty(1 << (20 if dry else 28), dtype=torch.uint8, device=dev)
     y = torch.empty_like(x)
     copy_ms = cuda_time(lambda: y.copy_(x))
     copy_bw = 2 * x.numel() / (copy_ms / 1000)  # read + write
     out = {"copy_bandwidth_GBps": copy_bw / 1e9}
+    out["peak_matmul_TFLOPs"] = peak_matmul_tflops(dev, dry)
     kvh, heads, d, bs = (2, 4, 32, 16) if dry else (8, 32, 128, 16)
     dtype = torch.float16 if dry else torch.bfloat16
     for batch, ctx in ((2, 64),) if dry else ((32, 8192), (64, 2048)):
@@ -209,6 +251,20 @@ def time_kernels(ta, dev, dry: bool) -> dict:
         out[f"decode_b{batch}_ctx{ctx}_GBps"] = bytes_read / (ms / 1000) / 1e9
         out[f"decode_b{batch}_ctx{ctx}_of_copy_bw"] = bytes_read / (ms / 1000) / copy_bw
         del kc, vc
+    # 16 sequences of 512 new tokens each, no cache (the varlen batch)
+    seqs, n16 = (2, 32) if dry else (16, 512)
+    nb = seqs * n16 // bs + 16
+    kc = torch.randn(nb, bs, kvh, d, device=dev, dtype=dtype)
+    vc = torch.randn_like(kc)
+    tables = torch.arange(seqs * n16 // bs, dtype=torch.int32, device=dev).view(seqs, -1)
+    sl = torch.full((seqs,), n16, dtype=torch.int32, device=dev)
+    cu = torch.arange(0, (seqs + 1) * n16, n16, dtype=torch.int32, device=dev)
+    q = torch.randn(seqs * n16, heads, d, device=dev, dtype=dtype)
+    ms = cuda_time(lambda: ta.paged_prefill_attention(q, kc, vc, tables, cu, sl, d**-0.5), 10)
+    flops = 4 * seqs * (n16 * (n16 + 1) / 2) * heads * d
+    out[f"prefill_{seqs}x{n16}_ms"] = ms
+    out[f"prefill_{seqs}x{n16}_TFLOPs"] = flops / (ms / 1000) / 1e12
+    del kc, vc
     for ctx, new in ((64, 32),) if dry else ((8192, 8192), (8192, 512)):
         nb = ctx // bs + 16
         kc = torch.randn(nb, bs, kvh, d, device=dev, dtype=dtype)
@@ -232,6 +288,18 @@ def time_kernels(ta, dev, dry: bool) -> dict:
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def model_flops(config: dict, n: int) -> float:
+    """FLOPs of a prompt of n tokens through the model: the layers' products (2 per weight and
+    token), causal attention (2 n^2 head_dim per head and layer) and one token's logits."""
+    from inference.kv_planner import ModelShape
+
+    shape = ModelShape.from_config(config)
+    embeddings = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
+    layers = shape.num_params() - embeddings
+    attention = 2 * shape.num_layers * shape.num_heads * shape.head_dim * n * n
+    return 2 * n * layers + attention + 2 * shape.vocab_size * shape.hidden_size
 
 
 def engine_bench(quick: bool, dry: bool) -> dict:
@@ -268,13 +336,18 @@ def engine_bench(quick: bool, dry: bool) -> dict:
     q = lambda i: manual + torch.randint(100, 40000, (40,), generator=gen).tolist()  # noqa: E731
     ttft(q(0), use_cache=False)  # warm-up (kernel compilation)
     cold_ms, _ = ttft(q(1), use_cache=False)
+    short = manual_len // 4  # 2,000 tokens
+    cold_short_ms, _ = ttft(manual[:short], use_cache=False)
     ttft(q(2))  # puts the manual in the cache
     warm_ms, cached = ttft(q(3))
     res = {
         "model": "random weights, tiny (dry run)" if dry else "random weights, Llama-3-8B shape",
         "load_s": load_s,
         "kv_capacity_tokens": eng.kv_spec.num_tokens,
+        f"cold_ttft_ms_{short}": cold_short_ms,
+        f"model_GFLOP_{short}": model_flops(TINY if dry else LLAMA3_8B, short) / 1e9,
         f"cold_ttft_ms_{manual_len}": cold_ms,
+        f"model_GFLOP_{manual_len}": model_flops(TINY if dry else LLAMA3_8B, manual_len + 40) / 1e9,
         f"warm_ttft_ms_{manual_len}": warm_ms,
         "warm_cached_tokens": cached,
     }
@@ -297,12 +370,19 @@ def engine_bench(quick: bool, dry: bool) -> dict:
         for r in reqs:
             eng.release(r)
         res[f"decode_tok_s_batch{batch}"] = tokens / dt_s
+    eng.close()
     return res
 
 
 def kv8_bench(ta, dev, dry: bool) -> dict:
     """Section 4 (module docstring)."""
+    import gc
+
     from inference import LLM, SamplingParams, kv_quant
+
+    gc.collect()  # the engine of section 3 and its pool: back to the device first
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     from inference.model.model_import import import_default_model
 
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -395,6 +475,13 @@ def main() -> int:
     timings = time_kernels(ta, dev, args.dry_run)
     engine = engine_bench(args.quick, args.dry_run)
     engine["kernel_launches"] = dict(ta.LAUNCHES)
+    for key in [k for k in engine if k.startswith("model_GFLOP_")]:
+        n = key.rsplit("_", 1)[1]
+        cold = engine[f"cold_ttft_ms_{n}"]
+        # model FLOP utilisation of the cold TTFT: model FLOPs / time / the measured peak
+        engine[f"cold_ttft_mfu_{n}"] = (
+            engine[key] * 1e9 / (cold / 1000) / (timings["peak_matmul_TFLOPs"] * 1e12)
+        )
     kv8 = kv8_bench(ta, dev, args.dry_run)
     ok_kv8 = kv8["fp8_store_bits_equal"] and kv8["fp8_vs_bf16_decode_attention_rel_err"] < 0.1
     tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}

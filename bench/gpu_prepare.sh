@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run here, where pip reaches PyPI, before a GPU run of the whole service (bench/gpu_service.sh):
+# Run here, where pip reaches PyPI, before a GPU run of the whole service (bench/gpu_run.sh):
 #   bench/gpu_prepare.sh
 # 1. .whl/: the service's Python packages that the GPU machine's image lacks, as wheels for
 #    CPython 3.12 on manylinux x86-64, at the versions this checkout's .venv runs (about 20 MB).

@@ -1,5 +1,5 @@
 """bench/load.py's accounting of the CPU time a virtual machine's hypervisor takes away, and the
-one-command GPU run of the whole service (bench/gpu_service.sh) tried on the CPU."""
+one-command GPU run of the whole service (bench/gpu_run.sh service) tried on the CPU."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_pooled_levels_add_their_steal_ticks():
 
 
 def test_the_gpu_service_run_works_on_the_cpu(default_model_dir, tmp_path):
-    """bench/gpu_service.sh --dry-run: the one-command GPU run of the whole service (benchmark
+    """bench/gpu_run.sh service --dry-run: the one-command GPU run of the whole service (benchmark
     model, server, load, files under $OUT) on this CPU with a small shape, so it is known to
     work before a GPU is at hand."""
     import json
@@ -70,7 +70,7 @@ def test_the_gpu_service_run_works_on_the_cpu(default_model_dir, tmp_path):
 
     root = Path(__file__).resolve().parent.parent
     r = subprocess.run(
-        ["bench/gpu_service.sh", "--dry-run"],
+        ["bench/gpu_run.sh", "service", "--dry-run"],
         cwd=root,
         env={**os.environ, "OUT": str(tmp_path)},
         capture_output=True,

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The GPU runs, one command each (after bench/gpu_prepare.sh here; on the GPU machine from the
+# repository root, with .whl and .gpu carried):
+#   bench/gpu_run.sh check [--dry-run]    bench/gpu.py: kernels, timings, engine, fp8 KV
+#   bench/gpu_run.sh service [--dry-run]  the whole service under load (below)
+# Installs the carried wheels, then, for `service`, starts `docqa serve` on the benchmark model
+# random:llama-3-8b (random bf16 weights, the default tokenizer; SQLite in /tmp) and runs
+# bench/load.py against it at 1, 16 and 64 clients in the shared-prefix shape: 8 manuals of
+# about 2,000 tokens, questions of about 128 tokens, answers of 256. Writes its JSON and logs
+# under $OUT (or bench/results). --dry-run: the same on this CPU (this machine's DOCQA_HOME and
+# .venv; `service` with random:smollm2-135m, 1 client, small).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+what=${1:?usage: bench/gpu_run.sh check|service [--dry-run]}
+dry=${2:-}
+OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+if [ "$dry" = --dry-run ]; then
+  [ -x .venv/bin/python ] && PY=.venv/bin/python
+else
+  if [ -d .whl ] && [ -n "$(ls .whl)" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+  fi
+  export DOCQA_HOME=$PWD/.gpu/home
+fi
+
+if [ "$what" = check ]; then
+  exec "$PY" bench/gpu.py --quick ${dry:+--dry-run} --out "$OUT/gpu-check.json"
+fi
+[ "$what" = service ] || { echo "bench/gpu_run.sh: check or service, not $what" >&2; exit 2; }
+
+if [ "$dry" = --dry-run ]; then
+  model=random:smollm2-135m
+  load=(--concurrency 1 --groups 1 --prompts-per-group 2 --manual-tokens 200
+        --question-tokens 16 --output-tokens 8 --requests-per-client 2)
+  serve=(--kv-cache-gib 0.25)
+else
+  model=random:llama-3-8b
+  load=(--concurrency 1 16 64 --groups 8 --prompts-per-group 8 --manual-tokens 2000
+        --question-tokens 128 --output-tokens 256 --requests-per-client 2)
+  serve=(--max-batched-tokens 8192)
+fi
+port=8765
+log="$OUT/gpu-service-server.log"
+export DOCQA_DATABASE_URL="sqlite:///$(mktemp -d)/docqa.db"
+"$PY" -m app.cli serve --model "$model" --benchmark-weights --port $port \
+  "${serve[@]}" > "$log" 2>&1 &
+server=$!
+trap 'kill $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+ready="import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$port/ready').status_code != 200)"
+for _ in $(seq 600); do
+  "$PY" -c "$ready" 2>/dev/null && break
+  kill -0 $server 2>/dev/null || { tail -50 "$log"; exit 1; }
+  sleep 1
+done
+"$PY" -c "import httpx, json; print(json.dumps(httpx.get('http://127.0.0.1:$port/v1/engine').json()))" \
+  > "$OUT/gpu-service-engine.json"
+"$PY" bench/load.py --url http://127.0.0.1:$port "${load[@]}" --out "$OUT/gpu-service-load.json"
