@@ -323,6 +323,7 @@ def cmd_serve(args) -> int:
     settings = Settings.from_env(
         model=args.model,
         benchmark_weights=args.benchmark_weights,
+        batch_invariant=args.batch_invariant,
         dtype=args.dtype,
         kv_cache_gib=args.kv_cache_gib,
         kv_dtype=args.kv_dtype,
@@ -476,6 +477,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV pool size on CPU (default: a quarter of free memory, <= 4)",
     )
     s.add_argument("--kv-dtype", default=None, help=KV_DTYPE_HELP + " (env DOCQA_KV_DTYPE)")
+    s.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        default=None,
+        help="CUDA: products and norms whose rows never depend on the batch, so a cache hit "
+        "never changes an answer there either (env DOCQA_BATCH_INVARIANT=1; the CPU always is)",
+    )
     s.add_argument(
         "--max-tokens-cap", type=int, default=1024, help="upper bound of a request's max_tokens"
     )

@@ -118,6 +118,8 @@ class Settings:
     shutdown_grace_s: float = 30.0
     # ``--model random:NAME`` (random weights of a known shape) is served only with this on
     benchmark_weights: bool = False
+    # CUDA: the batch-invariant products and norms (EngineConfig.batch_invariant)
+    batch_invariant: bool = False
 
     def __post_init__(self):
         if self.max_tokens_cap < 1:
@@ -210,6 +212,7 @@ class Settings:
             routing=_env_flag("DOCQA_ROUTING", True),
             shutdown_grace_s=_env_number("DOCQA_SHUTDOWN_GRACE_S", float, 30.0),
             benchmark_weights=_env_flag("DOCQA_BENCHMARK_WEIGHTS", False),
+            batch_invariant=_env_flag("DOCQA_BATCH_INVARIANT", False),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         if "database_url" in overrides and overrides["database_url"]:

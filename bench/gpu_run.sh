@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU runs, one command each (after bench/gpu_prepare.sh here; on the GPU machine from the
 # repository root, with .whl and .gpu carried):
-#   bench/gpu_run.sh check [--dry-run]    bench/gpu.py: kernels, timings, engine, fp8 KV
+#   bench/gpu_run.sh check [--dry-run] [SECTIONS]   bench/gpu.py --quick: kernels, timings,
+#       engine, fp8 KV, batch invariance (SECTIONS: e.g. timings,engine; default all)
 #   bench/gpu_run.sh service [--dry-run]  the whole service under load (below)
 # Installs the carried wheels, then, for `service`, starts `docqa serve` on the benchmark model
 # random:llama-3-8b (random bf16 weights, the default tokenizer; SQLite in /tmp) and runs
@@ -11,8 +12,9 @@
 # .venv; `service` with random:smollm2-135m, 1 client, small).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-what=${1:?usage: bench/gpu_run.sh check|service [--dry-run]}
-dry=${2:-}
+what=${1:?usage: bench/gpu_run.sh check|service [--dry-run] [SECTIONS]}
+dry=
+[ "${2:-}" = --dry-run ] && dry=--dry-run
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -29,7 +31,10 @@ else
 fi
 
 if [ "$what" = check ]; then
-  exec "$PY" bench/gpu.py --quick ${dry:+--dry-run} --out "$OUT/gpu-check.json"
+  sections=${3:-${2:-}}
+  [ "$sections" = --dry-run ] && sections=
+  exec "$PY" bench/gpu.py --quick ${dry:+--dry-run} ${sections:+--sections "$sections"} \
+    --out "$OUT/gpu-check.json"
 fi
 [ "$what" = service ] || { echo "bench/gpu_run.sh: check or service, not $what" >&2; exit 2; }
 

@@ -30,6 +30,9 @@ class EngineConfig:
     random_weights_seed: int | None = None  # benchmarks: random weights, no weight files
     num_threads: int | None = None  # torch CPU threads; None keeps torch's default
     kv_tier: TierConfig | None = None  # second tier of the prefix cache (Redis); None: off
+    # CUDA: products and norms whose rows never depend on the batch (kernels/triton/invariant);
+    # the CPU's are invariant by construction
+    batch_invariant: bool = False
 
     def __post_init__(self):
         if self.block_size not in BLOCK_SIZES:

@@ -368,7 +368,13 @@ def test_the_cuda_ops_table_matches_the_cpu_one(tiny_model_dir):
 
     cpu = torch.device("cpu")
     outs = []
-    for ops in (cuda_ops(cpu, "triton"), cpu_ops(torch.float32, torch.float32, "torch", 64)):
+    tables = (
+        cuda_ops(cpu, "triton"),
+        cuda_ops(cpu, "triton", batch_invariant=True),
+        cpu_ops(torch.float32, torch.float32, "torch", 64),
+    )
+    assert tables[1].mode == "batch-invariant" and tables[1].name != tables[0].name
+    for ops in tables:
         model = LlamaModel.from_pretrained(tiny_model_dir, torch.float32, ops)
         cfg = model.cfg
         shape = (4, 16, cfg.num_kv_heads, cfg.head_dim)
@@ -380,4 +386,5 @@ def test_the_cuda_ops_table_matches_the_cpu_one(tiny_model_dir):
         nxt = torch.tensor([int(first.argmax())])
         second = model.forward(nxt, torch.tensor([37]), meta, kv, torch.tensor([0]))
         outs.append(torch.cat([first, second]))
-    assert rel_err(outs[0], outs[1]) < 1e-5
+    assert rel_err(outs[0], outs[2]) < 1e-5
+    assert rel_err(outs[1], outs[2]) < 1e-5

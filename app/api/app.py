@@ -168,6 +168,7 @@ def create_app(settings: Settings | None = None, runner: EngineRunner | None = N
         dtype=settings.dtype,
         kv_cache_gib=settings.kv_cache_gib,
         kv_dtype=settings.kv_dtype,
+        batch_invariant=settings.batch_invariant,
         pin_budget=settings.pin_budget,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         prefill_tokens_with_decodes=settings.prefill_tokens_with_decodes,

@@ -8,6 +8,8 @@ the forward pass.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from inference import kv_quant
@@ -19,10 +21,23 @@ from inference.runner.base import ModelRunner
 _ACTIVATION_RESERVE = 2**30
 
 
-def cuda_ops(device: torch.device, backend_name: str) -> ModelOps:
-    """torch's operations around the Triton kernels (or the torch reference, for checks)."""
+def cuda_ops(device: torch.device, backend_name: str, batch_invariant: bool = False) -> ModelOps:
+    """torch's operations around the Triton kernels (or the torch reference, for checks);
+    ``batch_invariant``: the products and norms through ``kernels/triton/invariant.py``
+    instead of the vendor library's, so a row's result never depends on the batch."""
     backend = TritonBackend() if backend_name == "triton" else TorchBackend(flash=False)
-    return torch_ops(device, backend, name=f"cuda|attention={backend_name}|torch")
+    ops = torch_ops(device, backend, name=f"cuda|attention={backend_name}|torch")
+    if not batch_invariant:
+        return ops
+    from inference.kernels.triton import invariant
+
+    return dataclasses.replace(
+        ops,
+        linear=lambda weight, bias, lm_head: invariant.InvariantLinear(weight, bias),
+        add_rms_norm=invariant.add_rms_norm,
+        name=f"cuda|attention={backend_name}|triton-invariant",
+        mode="batch-invariant",
+    )
 
 
 class CUDARunner(ModelRunner):
@@ -34,7 +49,7 @@ class CUDARunner(ModelRunner):
         return name
 
     def make_ops(self) -> ModelOps:
-        return cuda_ops(self.device, self.attention_backend)
+        return cuda_ops(self.device, self.attention_backend, self.config.batch_invariant)
 
     def kv_budget_bytes(self) -> int:
         """The share ``gpu_memory_utilization`` of the device's memory, less what is in use
