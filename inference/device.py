@@ -29,6 +29,14 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def parallel_units(device: torch.device, fallback: int = 4) -> int:
+    """A device's units that run programs side by side: a GPU's multiprocessors; elsewhere
+    (Triton's interpreter on the CPU) ``fallback``."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return fallback
+
+
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX-BF16: bf16 matrix products run natively (else oneDNN emulates them,
     several times slower than float32)."""

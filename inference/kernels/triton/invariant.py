@@ -23,16 +23,16 @@ import torch
 import triton
 import triton.language as tl
 
+from inference.device import parallel_units
+
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages) per dtype width: 16-bit in the shape of
 # Triton's matmul tutorial's Hopper configuration; fp32 (checks) smaller
 LINEAR_CONFIGS = {"16": (128, 128, 64, 8, 8, 3), "32": (64, 64, 32, 8, 4, 2)}
 
 
 def _num_programs(device: torch.device, tiles: int) -> int:
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(tiles, sms))
-    return max(1, min(tiles, 4))  # the interpreter: a few programs walk the tiles
+    """One program per multiprocessor (the interpreter: a few), none idle."""
+    return max(1, min(tiles, parallel_units(device)))
 
 
 @triton.jit
