@@ -21,21 +21,46 @@ from inference.runner.base import ModelRunner
 _ACTIVATION_RESERVE = 2**30
 
 
+def fused_rotary_store(qkv, positions, rotary, num_heads, num_kv_heads, meta, k_cache, v_cache):
+    """Rotary embedding and the K/V store in one Triton kernel (``kernels/triton/fused.py``)."""
+    from inference.kernels.triton import fused
+
+    return fused.rotary_store(
+        qkv,
+        positions,
+        rotary.cos,
+        rotary.sin,
+        num_heads,
+        num_kv_heads,
+        meta.slot_mapping,
+        k_cache,
+        v_cache,
+    )
+
+
 def cuda_ops(device: torch.device, backend_name: str, batch_invariant: bool = False) -> ModelOps:
-    """torch's operations around the Triton kernels (or the torch reference, for checks);
-    ``batch_invariant``: the products and norms through ``kernels/triton/invariant.py``
-    instead of the vendor library's, so a row's result never depends on the batch."""
-    backend = TritonBackend() if backend_name == "triton" else TorchBackend(flash=False)
-    ops = torch_ops(device, backend, name=f"cuda|attention={backend_name}|torch")
+    """The vendor library's products around the Triton kernels: attention, and the fused
+    element-wise steps (RMSNorm with the residual add, rotary embedding with the K/V store,
+    SiLU-mul; one row per program). ``torch``: torch's operations around the torch reference
+    (checks). ``batch_invariant``: the products through ``kernels/triton/invariant.py`` too, so
+    a row's result never depends on the batch."""
+    if backend_name != "triton":
+        return torch_ops(device, TorchBackend(flash=False), name=f"cuda|attention={backend_name}")
+    from inference.kernels.triton import fused, invariant
+
+    ops = dataclasses.replace(
+        torch_ops(device, TritonBackend()),
+        add_rms_norm=invariant.add_rms_norm,
+        rotary_store=fused_rotary_store,
+        silu_mul=fused.silu_mul,
+        name="cuda|attention=triton|fused",
+    )
     if not batch_invariant:
         return ops
-    from inference.kernels.triton import invariant
-
     return dataclasses.replace(
         ops,
         linear=lambda weight, bias, lm_head: invariant.InvariantLinear(weight, bias),
-        add_rms_norm=invariant.add_rms_norm,
-        name=f"cuda|attention={backend_name}|triton-invariant",
+        name="cuda|attention=triton|fused|invariant",
         mode="batch-invariant",
     )
 
