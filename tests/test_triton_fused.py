@@ -49,8 +49,10 @@ def test_rotary_store(kv, heads, kvh, d):
     x = q_ref[:, : (heads + kvh) * d].view(n, heads + kvh, d)
     c, s = cos[pos][:, None], sin[pos][:, None]
     half = d // 2
-    rot = torch.cat([x[..., :half] * c[..., :half] - x[..., half:] * s[..., :half],
-                     x[..., half:] * c[..., half:] + x[..., :half] * s[..., half:]], -1)  # fmt: skip
+    x1, x2 = x[..., :half], x[..., half:]
+    rot = torch.cat(
+        [x1 * c[..., :half] - x2 * s[..., :half], x2 * c[..., half:] + x1 * s[..., half:]], -1
+    )
     x.copy_(rot)
     meta = AttentionMetadata.build([[0, 1, 2]], [n], [n], bs)
     meta.slot_mapping = slots
