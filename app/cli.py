@@ -324,6 +324,7 @@ def cmd_serve(args) -> int:
         model=args.model,
         benchmark_weights=args.benchmark_weights,
         batch_invariant=args.batch_invariant,
+        cuda_graphs=args.cuda_graphs,
         dtype=args.dtype,
         kv_cache_gib=args.kv_cache_gib,
         kv_dtype=args.kv_dtype,
@@ -477,6 +478,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV pool size on CPU (default: a quarter of free memory, <= 4)",
     )
     s.add_argument("--kv-dtype", default=None, help=KV_DTYPE_HELP + " (env DOCQA_KV_DTYPE)")
+    s.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        default=None,
+        help="CUDA: replay decode steps from graphs captured at start (env DOCQA_CUDA_GRAPHS=1)",
+    )
     s.add_argument(
         "--batch-invariant",
         action="store_true",

@@ -120,6 +120,8 @@ class Settings:
     benchmark_weights: bool = False
     # CUDA: the batch-invariant products and norms (EngineConfig.batch_invariant)
     batch_invariant: bool = False
+    # CUDA: decode steps replayed from captured graphs (EngineConfig.cuda_graphs)
+    cuda_graphs: bool = False
 
     def __post_init__(self):
         if self.max_tokens_cap < 1:
@@ -213,6 +215,7 @@ class Settings:
             shutdown_grace_s=_env_number("DOCQA_SHUTDOWN_GRACE_S", float, 30.0),
             benchmark_weights=_env_flag("DOCQA_BENCHMARK_WEIGHTS", False),
             batch_invariant=_env_flag("DOCQA_BATCH_INVARIANT", False),
+            cuda_graphs=_env_flag("DOCQA_CUDA_GRAPHS", False),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         if "database_url" in overrides and overrides["database_url"]:

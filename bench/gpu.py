@@ -11,7 +11,9 @@
 3. The engine end to end on a random-weight model with a Llama-3-8B shape (bf16): cold TTFT at
    2,000 and 8,000 tokens with its model FLOP utilisation (model FLOPs / time / the bf16 rate of
    a large product measured in the same run), warm TTFT for a question after the 8,000-token
-   manual, and decode tokens/s at batch 1 and 32.
+   manual, and decode tokens/s at batch 1 and 32, its decode steps replayed from CUDA graphs:
+   graph-replayed and eager logits bitwise equal (a check that fails the run), batch-1 decode
+   eager beside.
 5. Batch invariance (``--batch-invariant``) on a random-weight model of Llama-3-8B width with 4
    layers, its fast path beside it: for 4 questions after a 3,000-token manual, the next-token
    logits of 16 decode steps bitwise equal cold against warm, alone against batched with 7
@@ -321,8 +323,8 @@ def engine_bench(quick: bool, dry: bool) -> dict:
     kwargs = {"attention_backend": "triton"}
     if dry:
         kwargs.update(dtype="float32", kv_cache_gib=0.01, max_num_batched_tokens=256)
-    else:
-        kwargs.update(dtype="bfloat16", max_num_batched_tokens=8192)
+    else:  # decode steps replayed from CUDA graphs (checked against eager below)
+        kwargs.update(dtype="bfloat16", max_num_batched_tokens=8192, cuda_graphs=True)
     llm = LLM(tmp, random_weights_seed=0, **kwargs)
     load_s = time.perf_counter() - t0
     eng = llm.engine
@@ -376,6 +378,37 @@ def engine_bench(quick: bool, dry: bool) -> dict:
         for r in reqs:
             eng.release(r)
         res[f"decode_tok_s_batch{batch}"] = tokens / dt_s
+    runner = eng.runner
+    if getattr(runner, "graphs", None):
+        # graph-replayed and eager decode steps: the same logits, bitwise (the run fails if
+        # not), and batch-1 decode eager beside the graphs' figure above
+        prompts = [torch.randint(100, 40000, (200,), generator=gen).tolist() for _ in range(5)]
+        logits = {}
+        for graphs in (True, False):
+            runner.use_graphs = graphs
+            reqs = [
+                eng.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True), keep_logits=True)
+                for p in prompts
+            ]
+            while any(not r.finished for r in reqs):
+                eng.step()
+            logits[graphs] = [torch.stack(r.logits) for r in reqs]
+            for r in reqs:
+                eng.release(r)
+        res["graphs_vs_eager_logits_equal"] = all(
+            torch.equal(a, b) for a, b in zip(logits[True], logits[False], strict=True)
+        )
+        reqs = [eng.add_request(prompts[0], SamplingParams(max_tokens=32, ignore_eos=True))]
+        while reqs[0].times.first_token is None:
+            eng.step()
+        sync()
+        t0, s0 = time.perf_counter(), eng.num_steps
+        while not reqs[0].finished:
+            eng.step()
+        sync()
+        res["decode_tok_s_batch1_eager"] = (eng.num_steps - s0) / (time.perf_counter() - t0)
+        eng.release(reqs[0])
+        runner.use_graphs = True
     eng.close()
     return res
 
@@ -628,7 +661,7 @@ def main() -> int:
         ok = c["all_written"] and c["rel_err"] < tol[c["dtype"]]
         ok_all &= ok
         print(f"| {c['kernel']} | {c['dtype']} | {c['gqa']} | {c['rel_err']:.2e} | {ok} |")
-    ok_all &= ok_kv8 and ok_inv
+    ok_all &= ok_kv8 and ok_inv and engine.get("graphs_vs_eager_logits_equal", True)
     print("\n| measure | value |\n|---|---|")
     shown = {
         **timings,

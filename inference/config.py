@@ -33,6 +33,8 @@ class EngineConfig:
     # CUDA: products and norms whose rows never depend on the batch (kernels/triton/invariant);
     # the CPU's are invariant by construction
     batch_invariant: bool = False
+    # CUDA: decode steps replayed from graphs captured at start (runner/graphs.py)
+    cuda_graphs: bool = False
 
     def __post_init__(self):
         if self.block_size not in BLOCK_SIZES:

@@ -169,6 +169,7 @@ def create_app(settings: Settings | None = None, runner: EngineRunner | None = N
         kv_cache_gib=settings.kv_cache_gib,
         kv_dtype=settings.kv_dtype,
         batch_invariant=settings.batch_invariant,
+        cuda_graphs=settings.cuda_graphs,
         pin_budget=settings.pin_budget,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         prefill_tokens_with_decodes=settings.prefill_tokens_with_decodes,

@@ -289,6 +289,11 @@ class TritonBackend:
         return plan
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        if all(meta.is_decode_list):  # one token a sequence, in order: the step's own tensors
+            # (no tensor made from host lists, so a CUDA graph can capture the step)
+            return self.k.paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale
+            )
         p = self._split(meta, q.device)
         out = torch.empty_like(q)
         if p["dec_tables"] is not None:

@@ -117,7 +117,7 @@ def _tile_plan(
     for i, (sl, ql, dec) in enumerate(
         zip(meta.seq_lens_list, meta.query_lens_list, meta.is_decode_list, strict=True)
     ):
-        if dec != decode:
+        if dec != decode or sl == 0:  # another family, or a padding row (attends nothing)
             start += ql
             continue
         table = meta.block_tables[i].tolist()
@@ -331,6 +331,8 @@ def paged_attention_reference(
     bs = k_cache.shape[1]
     if out is None:
         out = torch.empty_like(q)
+    if 0 in meta.seq_lens_list:  # padding rows (runner/inputs.py) attend nothing: zeros
+        out.zero_()
     for decode in (False, True):
         plan = _tile_plan(meta, bs, group, q.device, decode)
         if plan is not None:

@@ -228,16 +228,21 @@ class ModelRunner:
         """Run one scheduled step: fill the input buffers, the forward pass (K/V of every new
         token stored in the pool), and the next token of each chunk that ends at its request's
         last token."""
-        x = self.inputs.prepare(sched)
         t0 = time.perf_counter()
-        logits = self.model.forward(
-            x.input_ids, x.positions, x.meta, self.kv_caches, x.logits_indices
-        )
+        logits = self.run_model(sched)
         self.synchronize()
         model_s = time.perf_counter() - t0
         sampling = sched.sampling
         tokens = self.sampler(logits, sampling) if sampling else []
         return RunnerOutput(tokens, logits, model_s)
+
+    def run_model(self, sched: SchedulerOutput) -> torch.Tensor:
+        """The step's forward pass: its inputs into the persistent buffers, then the model;
+        the sampled rows' logits [R, vocab] float32."""
+        x = self.inputs.prepare(sched)
+        return self.model.forward(
+            x.input_ids, x.positions, x.meta, self.kv_caches, x.logits_indices
+        )
 
     # -- the pool --------------------------------------------------------------------------------
     def allocated_bytes(self) -> int:

@@ -9,13 +9,19 @@ the forward pass.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 
 import torch
 
 from inference import kv_quant
 from inference.attention.backends import TorchBackend, TritonBackend
+from inference.engine.scheduler import SchedulerOutput
 from inference.model.ops import ModelOps, torch_ops
 from inference.runner.base import ModelRunner
+from inference.runner.graphs import capture_sizes, padded_size
+
+log = logging.getLogger("docqa.engine")
 
 # device memory kept out of the KV pool for activations and the allocator's slack
 _ACTIVATION_RESERVE = 2**30
@@ -66,6 +72,58 @@ def cuda_ops(device: torch.device, backend_name: str, batch_invariant: bool = Fa
 
 
 class CUDARunner(ModelRunner):
+    def __init__(self, config, device: torch.device):
+        super().__init__(config, device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_sizes: list[int] = []
+        self.use_graphs = False  # replay captured decode steps (bench/gpu.py turns it off)
+        if config.cuda_graphs:
+            self.capture_graphs()
+
+    def capture_graphs(self) -> None:
+        """A graph per padded decode batch size (``graphs.capture_sizes``), largest first, in
+        one memory pool: each step's inputs are views of the persistent buffers, so a replay
+        reads what ``InputBuffers.prepare`` copied there. Each size runs once eagerly first
+        (the kernels compile outside the capture)."""
+        if self.attention_backend != "triton":
+            raise ValueError("CUDA graphs need the triton attention backend")
+        sizes = capture_sizes(self.config.max_num_seqs)
+        pool = torch.cuda.graph_pool_handle()
+        free0 = torch.cuda.mem_get_info(self.device)[0]
+        t0 = time.perf_counter()
+        empty = SchedulerOutput([], [])
+        for b in reversed(sizes):
+            x = self.inputs.prepare(empty, pad_to=b)  # every row padding: nothing stored
+            args = (x.input_ids, x.positions, x.meta, self.kv_caches, x.logits_indices)
+            self.model.forward(*args)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self.model.forward(*args)
+            self.graphs[b] = (graph, out)
+        torch.cuda.synchronize(self.device)
+        self.graph_sizes = sizes
+        self.use_graphs = True
+        used = free0 - torch.cuda.mem_get_info(self.device)[0]
+        log.info(
+            "CUDA graphs for decode steps of %s sequences: captured in %.1f s, %.0f MiB",
+            ",".join(map(str, sizes)),
+            time.perf_counter() - t0,
+            used / 2**20,
+        )
+
+    def run_model(self, sched: SchedulerOutput) -> torch.Tensor:
+        """A decode step that a captured size holds replays its graph (rows past the step's
+        padding); other steps run eagerly."""
+        n = len(sched.chunks)
+        b = padded_size(n, self.graph_sizes) if self.use_graphs else None
+        if b is None or not all(c.is_decode for c in sched.chunks):
+            return super().run_model(sched)
+        self.inputs.prepare(sched, pad_to=b)
+        graph, out = self.graphs[b]
+        graph.replay()
+        return out[:n]
+
     def resolve_backend(self, name: str) -> str:
         if name == "auto":
             return "triton"

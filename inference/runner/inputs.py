@@ -69,11 +69,24 @@ class InputBuffers:
         self.cu_seqlens_q = _Buffer(max_num_seqs + 1, torch.int32, device, pin)
         self.logits_indices = _Buffer(max_num_seqs, torch.int64, device, pin)
 
-    def prepare(self, sched: SchedulerOutput) -> StepInputs:
-        """Fill the buffers from the scheduler's chunks; returns views of them."""
+    def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> StepInputs:
+        """Fill the buffers from the scheduler's chunks; returns views of them.
+
+        ``pad_to`` (a step of decode tokens only, for a captured graph of that many rows):
+        rows past the step's own are padding, a decode row each of token 0 at position 0 with
+        slot -1 (nothing stored), a context of 0 (nothing attended) and an all-zero block
+        table; the block tables take their full width, and every row's logits are computed
+        (the padded rows' are never sampled)."""
         bs = self.block_size
         chunks = sched.chunks
         num_seqs = len(chunks)
+        if pad_to is not None and (
+            pad_to < num_seqs or pad_to > self.max_num_seqs or not all(c.is_decode for c in chunks)
+        ):
+            raise ValueError(
+                f"padding a step of {num_seqs} sequences to {pad_to} rows: decode steps only, "
+                f"at most {self.max_num_seqs} rows"
+            )
         if num_seqs > self.max_num_seqs or sched.num_tokens > self.max_num_tokens:
             raise ValueError(
                 f"a step of {num_seqs} sequences and {sched.num_tokens} tokens; the buffers "
@@ -81,7 +94,10 @@ class InputBuffers:
             )
         ids, pos, slots = self.input_ids.np, self.positions.np, self.slot_mapping.np
         tables, seq_lens, cu = self.block_tables.np, self.seq_lens.np, self.cu_seqlens_q.np
-        width = max(len(c.block_ids) for c in chunks)
+        if pad_to is not None:  # the full width: a captured graph's shapes
+            width = self.block_tables.np.shape[1]
+        else:
+            width = max(len(c.block_ids) for c in chunks)
         rows: list[int] = []
         lens, q_lens = [], []
         t = 0
@@ -105,6 +121,19 @@ class InputBuffers:
             q_lens.append(n)
             if c.samples:
                 rows.append(t - 1)
+        decode = [c.is_decode for c in chunks]
+        if pad_to is not None:
+            for i in range(num_seqs, pad_to):  # padding rows (docstring)
+                ids[t], pos[t], slots[t] = 0, 0, -1
+                tables[i, :width] = 0
+                seq_lens[i] = 0
+                t += 1
+                cu[i + 1] = t
+                lens.append(0)
+                q_lens.append(1)
+                decode.append(True)
+            rows = list(range(pad_to))
+            num_seqs = pad_to
         self.logits_indices.np[: len(rows)] = rows
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping.take(t),
@@ -114,7 +143,7 @@ class InputBuffers:
             seq_lens_list=lens,
             query_lens_list=q_lens,
             num_blocks_list=[-(-n // bs) for n in lens],
-            is_decode_list=[c.is_decode for c in chunks],
+            is_decode_list=decode,
         )
         return StepInputs(
             self.input_ids.take(t),
