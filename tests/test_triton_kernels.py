@@ -119,6 +119,12 @@ def test_paged_prefill_attention(dtype, heads, kvh, d, bs):
     gen, seed = fresh_generator()
     # (cached prefix, new tokens): cold, over a cached prefix, one token, longer than a block
     shapes = [(0, 19), (2 * bs + 3, 7), (bs - 1, 1), (5, bs + 9)]
+    check_prefill(gen, seed, shapes, heads, kvh, d, bs, dtype, TOL[dtype])
+
+
+def check_prefill(gen, seed, shapes, heads, kvh, d, bs, dtype, tol):
+    """Prefill of sequences of (cached prefix, new tokens) in one call against float64, every
+    poisoned output element overwritten."""
     lens = [c + n for c, n in shapes]
     q_lens = [n for _, n in shapes]
     nb = sum(-(-n // bs) for n in lens) + 2
@@ -131,7 +137,7 @@ def test_paged_prefill_attention(dtype, heads, kvh, d, bs):
     ta.paged_prefill_attention(q, k_cache, v_cache, table, cu, seq_lens, d**-0.5, out=out)
     assert not torch.isnan(out).any(), "a poisoned output element was not written"
     ref = ref_attention(q, k_cache, v_cache, table, lens, q_lens, d**-0.5)
-    assert rel_err(out, ref) < TOL[dtype], f"seed {seed}: {rel_err(out, ref):.2e}"
+    assert rel_err(out, ref) < tol, f"seed {seed}: {rel_err(out, ref):.2e}"
 
 
 KV8 = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -219,19 +225,7 @@ def test_tiled_prefill_at_odd_lengths(group, bs):
     heads = kvh * group
     # (cached prefix, new tokens)
     shapes = [(0, 37), (bs + 5, 101), (3, 517), (2 * bs - 1, 1)]
-    lens = [c + n for c, n in shapes]
-    q_lens = [n for _, n in shapes]
-    nb = sum(-(-n // bs) for n in lens) + 2
-    k_cache, v_cache = make_cache(gen, nb, bs, kvh, d, torch.float32)
-    table = shuffled_tables(gen, lens, bs, nb)
-    q = torch.randn(sum(q_lens), heads, d, generator=gen)
-    out = torch.full_like(q, POISON)
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    ta.paged_prefill_attention(q, k_cache, v_cache, table, cu, seq_lens, d**-0.5, out=out)
-    assert not torch.isnan(out).any(), "a poisoned output element was not written"
-    ref = ref_attention(q, k_cache, v_cache, table, lens, q_lens, d**-0.5)
-    assert rel_err(out, ref) < 1e-5, f"seed {seed}: {rel_err(out, ref):.2e}"
+    check_prefill(gen, seed, shapes, heads, kvh, d, bs, torch.float32, 1e-5)
 
 
 @pytest.mark.parametrize("group", [1, 3])

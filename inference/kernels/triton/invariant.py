@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from inference.device import parallel_units
+from inference.model.layers import TorchLinear
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages) per dtype width: 16-bit in the shape of
 # Triton's matmul tutorial's Hopper configuration; fp32 (checks) smaller
@@ -133,28 +134,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y
 
 
-class InvariantLinear:
-    """A linear layer through ``linear`` (the interface of ``layers.TorchLinear``)."""
+class InvariantLinear(TorchLinear):
+    """A linear layer through ``linear`` (``layers.TorchLinear``'s interface and storage)."""
 
     kind = "triton-invariant"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.weight = weight.contiguous()
-        self.bias = bias
-        self.out_features, self.in_features = weight.shape
+        super().__init__(weight.contiguous(), bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x if x.stride(-1) == 1 else x.contiguous(), self.weight, self.bias)
-
-    def compiled(self) -> None:
-        return None
-
-    def storage(self) -> tuple[str, int]:
-        w = self.weight
-        return str(w.dtype).removeprefix("torch."), w.numel() * w.element_size()
-
-    def held_tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.weight, self.bias) if t is not None]
 
 
 @triton.jit

@@ -145,6 +145,19 @@ def _quantize(x, inv, KV8: tl.constexpr):
 
 
 @triton.jit
+def _head_scales(k_scale_ptr, v_scale_ptr, kvh, d, d_mask, D: tl.constexpr,
+                 BLOCK_D: tl.constexpr, KV8: tl.constexpr):  # fmt: skip
+    """KV head kvh's K and V scales [BLOCK_D] (an 8-bit cache's; zeros, never read, else)."""
+    if KV8 != 0:
+        k_sc = tl.load(k_scale_ptr + kvh * D + d, mask=d_mask, other=0.0)
+        v_sc = tl.load(v_scale_ptr + kvh * D + d, mask=d_mask, other=0.0)
+    else:
+        k_sc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        v_sc = k_sc
+    return k_sc, v_sc
+
+
+@triton.jit
 def _dequantize(x, scale, KV8: tl.constexpr, out_ty: tl.constexpr):
     """An 8-bit block [keys, D] times its channels' scales [D], in out_ty."""
     if KV8 == 0:
@@ -297,12 +310,7 @@ def _decode_partition_kernel(
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
-    if KV8 != 0:
-        k_sc = tl.load(k_scale_ptr + kvh * D + d, mask=d_mask, other=0.0)
-        v_sc = tl.load(v_scale_ptr + kvh * D + d, mask=d_mask, other=0.0)
-    else:
-        k_sc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        v_sc = k_sc
+    k_sc, v_sc = _head_scales(k_scale_ptr, v_scale_ptr, kvh, d, d_mask, D, BLOCK_D, KV8)
     start = part * PARTITION
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -548,12 +556,7 @@ def _prefill_kernel(
             mask=r_mask[:, None] & d_mask[None, :],
             other=0.0,
         )
-        if KV8 != 0:
-            k_sc = tl.load(k_scale_ptr + kvh * D + d, mask=d_mask, other=0.0)
-            v_sc = tl.load(v_scale_ptr + kvh * D + d, mask=d_mask, other=0.0)
-        else:
-            k_sc = tl.zeros([BLOCK_D], dtype=tl.float32)
-            v_sc = k_sc
+        k_sc, v_sc = _head_scales(k_scale_ptr, v_scale_ptr, kvh, d, d_mask, D, BLOCK_D, KV8)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)

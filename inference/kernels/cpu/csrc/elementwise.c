@@ -112,30 +112,37 @@ int docqa_silu_mul_bf16(const uint16_t *gu, int64_t ldg, int rows, int inter, ui
  * inside, one rounding: x1 cos - x2 sin, x2 cos + x1 sin over the two halves of a head), then
  * the token's key and value heads written to its slot of the paged caches (slot < 0: not
  * stored). cos and sin: bf16 tables [positions, dim]. */
+/* Rotary embedding of a token's first `rot` heads (its query and key heads) in place, with its
+ * position's cos and sin rows (float32 once for all its heads; each result rounded to bf16). */
+static inline void rotate_bf16(uint16_t *row, const uint16_t *c, const uint16_t *s, int rot,
+                               int dim) {
+    const int half = dim / 2;
+    float cf[dim], sf[dim];
+    for (int i = 0; i < dim; i++) {
+        cf[i] = bf2f(c[i]);
+        sf[i] = bf2f(s[i]);
+    }
+    for (int h = 0; h < rot; h++) {
+        uint16_t *restrict x1p = row + (int64_t)h * dim, *restrict x2p = x1p + half;
+        for (int i = 0; i < half; i++) {
+            const float x1 = bf2f(x1p[i]), x2 = bf2f(x2p[i]);
+            x1p[i] = f2bf(x1 * cf[i] - x2 * sf[i]);
+            x2p[i] = f2bf(x2 * cf[i + half] + x1 * sf[i + half]);
+        }
+    }
+}
+
 int docqa_rotary_store_bf16(uint16_t *qkv, int64_t ldq, int n, int num_heads, int num_kv_heads,
                             int dim, const int64_t *positions, const uint16_t *cos_t,
                             const uint16_t *sin_t, const int64_t *slots, uint16_t *k_cache,
                             uint16_t *v_cache, int num_threads) {
     if (n < 0 || dim <= 0 || dim % 2) return -1;
-    const int half = dim / 2, rot = num_heads + num_kv_heads;
+    const int rot = num_heads + num_kv_heads;
     const int64_t kv_row = (int64_t)num_kv_heads * dim;
 #pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (n >= PARALLEL_ROWS)
     for (int t = 0; t < n; t++) {
         uint16_t *row = qkv + (int64_t)t * ldq;
-        const uint16_t *c = cos_t + positions[t] * dim, *s = sin_t + positions[t] * dim;
-        float cf[dim], sf[dim]; /* the position's cos and sin in float32, once for its heads */
-        for (int i = 0; i < dim; i++) {
-            cf[i] = bf2f(c[i]);
-            sf[i] = bf2f(s[i]);
-        }
-        for (int h = 0; h < rot; h++) {
-            uint16_t *restrict x1p = row + (int64_t)h * dim, *restrict x2p = x1p + half;
-            for (int i = 0; i < half; i++) {
-                const float x1 = bf2f(x1p[i]), x2 = bf2f(x2p[i]);
-                x1p[i] = f2bf(x1 * cf[i] - x2 * sf[i]);
-                x2p[i] = f2bf(x2 * cf[i + half] + x1 * sf[i + half]);
-            }
-        }
+        rotate_bf16(row, cos_t + positions[t] * dim, sin_t + positions[t] * dim, rot, dim);
         if (slots[t] >= 0) {
             memcpy(k_cache + slots[t] * kv_row, row + (int64_t)num_heads * dim, kv_row * 2);
             memcpy(v_cache + slots[t] * kv_row, row + (int64_t)rot * dim, kv_row * 2);
@@ -193,25 +200,12 @@ int docqa_rotary_store_bf16_kv8(uint16_t *qkv, int64_t ldq, int n, int num_heads
                                 const float *k_inv, const float *v_inv, int format,
                                 int num_threads) {
     if (n < 0 || dim <= 0 || dim % 2 || (format != 1 && format != 2)) return -1;
-    const int half = dim / 2, rot = num_heads + num_kv_heads;
+    const int rot = num_heads + num_kv_heads;
     const int kv_row = num_kv_heads * dim;
 #pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (n >= PARALLEL_ROWS)
     for (int t = 0; t < n; t++) {
         uint16_t *row = qkv + (int64_t)t * ldq;
-        const uint16_t *c = cos_t + positions[t] * dim, *s = sin_t + positions[t] * dim;
-        float cf[dim], sf[dim];
-        for (int i = 0; i < dim; i++) {
-            cf[i] = bf2f(c[i]);
-            sf[i] = bf2f(s[i]);
-        }
-        for (int h = 0; h < rot; h++) {
-            uint16_t *restrict x1p = row + (int64_t)h * dim, *restrict x2p = x1p + half;
-            for (int i = 0; i < half; i++) {
-                const float x1 = bf2f(x1p[i]), x2 = bf2f(x2p[i]);
-                x1p[i] = f2bf(x1 * cf[i] - x2 * sf[i]);
-                x2p[i] = f2bf(x2 * cf[i + half] + x1 * sf[i + half]);
-            }
-        }
+        rotate_bf16(row, cos_t + positions[t] * dim, sin_t + positions[t] * dim, rot, dim);
         if (slots[t] >= 0) {
             store_kv8(k_cache + slots[t] * kv_row, row + (int64_t)num_heads * dim, k_inv, kv_row,
                       format);
