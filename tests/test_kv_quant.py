@@ -111,6 +111,79 @@ def test_attention_over_8_bit_caches_has_the_bits_of_the_dequantized_bf16_pool(
         assert torch.equal(over8, over16), f"{backend} (seed {SEED})"
 
 
+@pytest.mark.parametrize("dtype", FORMATS, ids=["int8", "fp8"])
+@pytest.mark.parametrize("bs", [8, 16])
+def test_float32_attention_over_8_bit_caches_has_the_bits_of_the_dequantized_pool(dtype, bs):
+    """The float32 register-tiled kernel over an 8-bit pool (each round's rows dequantized to
+    float32, exactly) gives the bits it gives over a float32 pool holding those values."""
+    from inference.kernels.cpu import attention as cpu_attention
+
+    if not cpu_attention.decode_attention_tiled(torch.float32, dtype, 64):
+        pytest.skip("no AVX2 with F16C: the torch reference reads 8-bit pools here")
+    rng = random.Random(SEED + bs)
+    k32, v32, _tables, meta = _step(rng, bs, 3, 64, torch.float32, SPECS)
+    g = torch.Generator().manual_seed(SEED)
+    (k8, v8), _ = _kv8_pair(k32.bfloat16(), v32.bfloat16(), dtype, g)
+    kd = kv_quant.dequantize(k8, kv_quant.scales_of(k8)[0], torch.float32).contiguous()
+    vd = kv_quant.dequantize(v8, kv_quant.scales_of(v8)[0], torch.float32).contiguous()
+    n = sum(s[1] for s in SPECS)
+    q = torch.randn(n, 9, 64, generator=g)
+    over8 = _attention("cpu", q, k8, v8, meta, 0.125)
+    assert torch.equal(over8, _attention("cpu", q, kd, vd, meta, 0.125)), f"seed {SEED}"
+    ref = _attention("torch", q, k8, v8, meta, 0.125)
+    assert ((over8 - ref).norm() / ref.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", FORMATS, ids=["int8", "fp8"])
+def test_float32_store_kernel_has_torchs_quantized_bits(dtype):
+    g = torch.Generator().manual_seed(SEED)
+    heads, kvh, d, n = 9, 3, 64, 21
+    qkv = torch.randn(n, (heads + 2 * kvh) * d, generator=g) * 3
+    cos, sin = (torch.randn(4096, d, generator=g) for _ in range(2))
+    pos = torch.randint(0, 4000, (n,), generator=g)
+    slots = torch.randperm(6 * 16, generator=g)[:n]
+    k32, v32 = torch.zeros(6, 16, kvh, d), torch.zeros(6, 16, kvh, d)
+    a = qkv.clone()
+    elementwise.rotary_store(a, heads, kvh, pos, cos, sin, slots, k32, v32)
+    k8, v8 = torch.zeros(6, 16, kvh, d, dtype=dtype), torch.zeros(6, 16, kvh, d, dtype=dtype)
+    (ks, ki), (vs, vi) = _scales(kvh, d, dtype, g), _scales(kvh, d, dtype, g)
+    kv_quant.attach(k8, ks, ki)
+    kv_quant.attach(v8, vs, vi)
+    b = qkv.clone()
+    elementwise.rotary_store(b, heads, kvh, pos, cos, sin, slots, k8, v8)
+    assert torch.equal(a, b)
+    for c32, c8, inv in ((k32, k8, ki), (v32, v8, vi)):
+        assert torch.equal(kv_quant.raw(c8), kv_quant.raw(kv_quant.quantize(c32, inv, dtype)))
+
+
+def test_float32_model_over_an_8_bit_pool_runs_compiled_and_agrees(default_model_dir):
+    """float32 compute with int8 KV: the compiled layer loop runs (the float32 kernels read
+    the 8-bit pool), its logits equal the Python loop's, and greedy tokens agree cold and
+    warm."""
+    from inference.kernels.cpu import attention as cpu_attention
+
+    if not cpu_attention.decode_attention_tiled(torch.float32, kv_quant.INT8, 64):
+        pytest.skip("no AVX2 with F16C: the torch reference reads 8-bit pools here")
+    llm = LLM(default_model_dir, dtype="float32", kv_dtype="int8", kv_cache_gib=0.1)
+    model = llm.engine.runner.model
+    assert model.layer_loop(llm.engine.runner.kv_caches) is not None
+    builder = PromptBuilder(llm.tokenizer)
+    ids = builder.build(MANUAL, QUESTIONS[0]).token_ids
+    logits = {}
+    for compiled in (True, False):
+        model.compiled_layers = compiled
+        try:
+            logits[compiled] = _first(llm, ids, use_cache=False).logits[0]
+        finally:
+            model.compiled_layers = True
+    assert torch.equal(logits[True], logits[False])
+    _first(llm, ids, use_cache=True)
+    warm = _first(llm, ids, use_cache=True, max_tokens=8)
+    cold = _first(llm, ids, use_cache=False, max_tokens=8)
+    assert warm.num_cached_tokens > 0 and warm.output_token_ids == cold.output_token_ids
+    llm.engine.close()
+
+
 # -- the real model ------------------------------------------------------------------------------
 
 

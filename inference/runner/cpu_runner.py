@@ -116,8 +116,8 @@ def cpu_ops(
 
     fused = elementwise.fused_elementwise_supports(dtype, hidden_size)
     rotary = rotate_then_store(backend)
-    # the fused store writes caches of the compute dtype, and 8-bit ones from bf16
-    stores = kv_dtype == dtype or (kv_quant.is_kv8(kv_dtype) and bf16)
+    # the fused store writes caches of the compute dtype, and 8-bit ones
+    stores = kv_dtype == dtype or kv_quant.is_kv8(kv_dtype)
     if fused and stores and backend.plain_store:
         rotary = fused_rotary_store
     attn = backend_name

@@ -45,6 +45,11 @@ def _attention_signatures() -> dict[str, tuple[list, type]]:
         "docqa_attention_bf16_exp": ([p, p, i64], i),
         "docqa_attention_bf16_dims": ([], i),
         "docqa_decode_attention_tiled": ([i, i, i], i),
+        "docqa_decode_attention_kv8": (
+            [p, p, i, p, p, i, p, p, p, i64, p, i, i, i, i, f, p, i, i, p, p],
+            i,
+        ),
+        "docqa_decode_attention_kv8_tiled": ([i], i),
         "docqa_attention_amx_init": ([], i),
     }
 
@@ -90,9 +95,12 @@ def decode_kernel_supports(
     dim: int,
     block_size: int,
 ) -> bool:
+    if kv_quant.is_kv8(kv_dtype):  # float32 queries on the register-tiled path only
+        kv_ok = q_dtype == torch.float32 and decode_attention_tiled(q_dtype, kv_dtype, dim)
+    else:
+        kv_ok = q_dtype in DTYPES and kv_dtype in DTYPES
     return (
-        q_dtype in DTYPES
-        and kv_dtype in DTYPES
+        kv_ok
         and dim % 32 == 0
         and dim <= MAX_DIM
         and block_size <= MAX_BLOCK
@@ -139,10 +147,14 @@ def _bf16_dims() -> int:
 def decode_attention_tiled(q_dtype: torch.dtype, kv_dtype: torch.dtype, dim: int) -> bool:
     """Whether ``decode_attention`` takes these dtypes and head size on its register-tiled
     float32 path here (x86 with FMA): units of up to TILED_MAX_ROWS query rows, and a prompt
-    chunk's tokens may walk the chunk's last context together, each masked at its own."""
+    chunk's tokens may walk the chunk's last context together, each masked at its own. Over
+    8-bit caches: float32 queries, AVX2 with F16C (``docqa_decode_attention_kv8``)."""
+    lib = decode_attention_library()
+    if kv_quant.is_kv8(kv_dtype):
+        kv8 = getattr(lib, "docqa_decode_attention_kv8_tiled", None)
+        return q_dtype == torch.float32 and kv8 is not None and bool(kv8(dim))
     if q_dtype not in DTYPES or kv_dtype not in DTYPES:
         return False
-    lib = decode_attention_library()
     return bool(lib.docqa_decode_attention_tiled(DTYPES[q_dtype], DTYPES[kv_dtype], dim))
 
 
@@ -231,17 +243,26 @@ def decode_attention(
     out = torch.empty((t, num_heads, dim), dtype=torch.float32)
     if q_start is None:  # each token's first element (held until the call returns)
         q_start = q_rows * q.stride(0)
-    rc = decode_attention_library().docqa_decode_attention(
-        q.data_ptr(),
-        DTYPES[q.dtype],
-        q_start.data_ptr(),
-        t,
-        group_start.data_ptr(),
+    lib = decode_attention_library()
+    if kv_quant.is_kv8(k_cache.dtype):  # float32 queries over 8-bit caches, with their scales
+        fn = lib.docqa_decode_attention_kv8
+        head = [q.data_ptr(), q_start.data_ptr(), t, group_start.data_ptr()]
+        caches = [k_cache.data_ptr(), v_cache.data_ptr()]
+        extra = [kv_quant.FORMAT_CODE[k_cache.dtype]]
+        extra += [
+            kv_quant.scales_of(k_cache)[0].data_ptr(),
+            kv_quant.scales_of(v_cache)[0].data_ptr(),
+        ]
+    else:
+        fn = lib.docqa_decode_attention
+        head = [q.data_ptr(), DTYPES[q.dtype], q_start.data_ptr(), t, group_start.data_ptr()]
+        caches = [k_cache.data_ptr(), v_cache.data_ptr(), DTYPES[k_cache.dtype]]
+        extra = []
+    rc = fn(
+        *head,
         group_shared.data_ptr(),
         group_shared.shape[0],
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        DTYPES[k_cache.dtype],
+        *caches,
         block_tables.data_ptr(),
         block_tables.stride(0),
         ctx_lens.data_ptr(),
@@ -252,6 +273,7 @@ def decode_attention(
         scale,
         out.data_ptr(),
         torch.get_num_threads(),
+        *extra,
     )
     if rc != 0:
         raise ValueError("decode attention kernel: shape or groups outside its limits")

@@ -39,8 +39,9 @@ def elementwise_library() -> ctypes.CDLL | None:
         fn.argtypes, fn.restype = [p, i64, i, i, p, i64, i], i
         fn = getattr(lib, f"docqa_rotary_store_{suffix}")
         fn.argtypes, fn.restype = [p, i64, i, i, i, i, p, p, p, p, p, p, i], i
-    fn = lib.docqa_rotary_store_bf16_kv8
-    fn.argtypes, fn.restype = [p, i64, i, i, i, i, p, p, p, p, p, p, p, p, i, i], i
+    for suffix in ("bf16", "f32"):
+        fn = getattr(lib, f"docqa_rotary_store_{suffix}_kv8")
+        fn.argtypes, fn.restype = [p, i64, i, i, i, i, p, p, p, p, p, p, p, p, i, i], i
     lib.docqa_argmax_f32.argtypes, lib.docqa_argmax_f32.restype = [p, i, i, i64, p, i], i
     return lib
 
@@ -166,9 +167,10 @@ def rotary_store(
         v_cache.data_ptr(),
     ]
     if kv_quant.is_kv8(k_cache.dtype):
-        assert qkv.dtype == torch.bfloat16
         k_inv, v_inv = kv_quant.scales_of(k_cache)[1], kv_quant.scales_of(v_cache)[1]
-        fn = elementwise_library().docqa_rotary_store_bf16_kv8
+        fn = getattr(
+            elementwise_library(), f"docqa_rotary_store_{_ELEMENTWISE_SUFFIX[qkv.dtype]}_kv8"
+        )
         args += [k_inv.data_ptr(), v_inv.data_ptr(), kv_quant.FORMAT_CODE[k_cache.dtype]]
     else:
         assert k_cache.dtype == qkv.dtype

@@ -155,7 +155,7 @@ class CPUForward:
         self.bf16 = model.dtype == torch.bfloat16
         # float32 attention on its register-tiled path plans units of up to 48 query rows
         self.tiled = not self.bf16 and attention_kernels.decode_attention_tiled(
-            model.dtype, model.dtype, cfg.head_dim
+            model.dtype, kv_caches[0][0].dtype, cfg.head_dim
         )
         el = elementwise.elementwise_library()
         suffix = "bf16" if self.bf16 else "f32"
@@ -168,8 +168,13 @@ class CPUForward:
         rotary = getattr(el, f"docqa_rotary_store_{suffix}")
         kv_dtype = kv_caches[0][0].dtype
         kv_format = kv_quant.FORMAT_CODE.get(kv_dtype, 0)
-        if kv_format:  # 8-bit caches (bf16 only: build)
-            attention, rotary = attn_lib.docqa_attention_bf16_kv8, el.docqa_rotary_store_bf16_kv8
+        if kv_format:  # 8-bit caches
+            attention = (
+                attn_lib.docqa_attention_bf16_kv8
+                if self.bf16
+                else attn_lib.docqa_decode_attention_kv8
+            )
+            rotary = getattr(el, f"docqa_rotary_store_{suffix}_kv8")
         block_size = kv_caches[0][0].shape[1]
         self.desc = _ModelDesc(
             linear=_address(product),
@@ -251,8 +256,8 @@ class CPUForward:
         ):
             return None
         k_cache = kv_caches[0][0]
-        kv_dtype = k_cache.dtype  # the compute dtype's, or 8-bit under bf16
-        if kv_dtype != dtype and not (kv_quant.is_kv8(kv_dtype) and dtype == torch.bfloat16):
+        kv_dtype = k_cache.dtype  # the compute dtype's, or 8-bit
+        if kv_dtype != dtype and not kv_quant.is_kv8(kv_dtype):
             return None
         if any(t.dtype != kv_dtype or not t.is_contiguous() for pair in kv_caches for t in pair):
             return None
@@ -260,7 +265,7 @@ class CPUForward:
         if dtype == torch.bfloat16:
             if not attention_kernels.bf16_kernel_supports(dtype, kv_dtype, heads, kvh, d):
                 return None
-        elif not attention_kernels.decode_kernel_supports(dtype, dtype, heads, kvh, d, bs):
+        elif not attention_kernels.decode_kernel_supports(dtype, kv_dtype, heads, kvh, d, bs):
             return None
         kinds = set()
         for lw in model.layers:

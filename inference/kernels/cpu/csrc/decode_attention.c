@@ -455,7 +455,36 @@ typedef struct {
     /* the next round's K and V lines, fetched one per step of the round's products */
     const char *ahead[2 * ROUND * (MAX_DIM * 4 / 64)];
     int ahead_at, ahead_n;
+    /* 8-bit caches: the round's K and V rows times their scales (kv8_rows) */
+    float kq[ROUND][MAX_DIM], vq[ROUND][MAX_DIM];
+    float ksc[MAX_DIM], vsc[MAX_DIM]; /* the unit's KV head's scales (fp8's times 2^8) */
 } TiledRows;
+
+#if defined(__AVX2__) && defined(__F16C__)
+#define TILED_KV8 1
+/* 8 values of an 8-bit row as float32: int8 (fmt 1), or fp8 e4m3 (fmt 2) through a half
+ * float's bits, which read 2^-8 times the value (the scales carry the 2^8). */
+static inline __m256 kv8_load8(const uint8_t *p, int fmt) {
+    const __m128i b = _mm_loadl_epi64((const __m128i *)p);
+    if (fmt == 1) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    const __m128i w = _mm_cvtepu8_epi16(b);
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8);
+    const __m128i rest = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7);
+    return _mm256_cvtph_ps(_mm_or_si128(sign, rest));
+}
+
+/* n rows of an 8-bit cache (element offsets at[j]) times their channels' scales: exact, the
+ * scales being powers of two (inference/kv_quant.py). */
+static inline void kv8_rows(float (*dst)[MAX_DIM], const uint8_t *src, const int64_t *at, int n,
+                            const float *sc, int dim, int fmt) {
+    for (int j = 0; j < n; j++) {
+        const uint8_t *r = src + at[j];
+        for (int c = 0; c < dim; c += 8)
+            _mm256_storeu_ps(dst[j] + c,
+                             _mm256_mul_ps(kv8_load8(r + c, fmt), _mm256_loadu_ps(sc + c)));
+    }
+}
+#endif
 
 static inline __attribute__((always_inline)) void fetch_ahead(TiledRows *st, int *at) {
     if (*at < st->ahead_n) __builtin_prefetch(st->ahead[(*at)++], 0, 2);
@@ -525,8 +554,9 @@ typedef struct {
  * `next` is the unit's next walk, if any: its first round is fetched during this one's last;
  * `fetched`: this walk's first round was fetched so, by the walk before it. */
 static void tiled_keys(TiledRows *st, const Walk *walk, const Walk *next, int fetched,
-                       const int *lim, const float *k_cache, const float *v_cache, int kv_head,
-                       int num_kv_heads, int dim, int block_size) {
+                       const int *lim, const void *k_cache, const void *v_cache, int kv_head,
+                       int num_kv_heads, int dim, int block_size, int fmt) {
+    const int esz = fmt ? 1 : 4; /* bytes per cache element: float32, or 8-bit (fmt 1, 2) */
     const int lo = walk->lo, hi = walk->hi, from = walk->from, to = walk->to;
     const int32_t *const table = walk->table;
     const int64_t key_stride = (int64_t)num_kv_heads * dim;
@@ -541,9 +571,22 @@ static void tiled_keys(TiledRows *st, const Walk *walk, const Walk *next, int fe
         KEY_ROWS(at[cur ^ 1], n2, dim);
         /* the round's key vectors, whole tiles of them (keys past n read a row of zeros) */
         const int kvecs = (n + TILE_VECS * LANES - 1) / (TILE_VECS * LANES) * TILE_VECS;
+#ifdef TILED_KV8
+        if (fmt) { /* the round's rows dequantized: the products read them as float32 rows */
+            kv8_rows(st->kq, (const uint8_t *)k_cache, at[cur], n, st->ksc, dim, fmt);
+            kv8_rows(st->vq, (const uint8_t *)v_cache, at[cur], n, st->vsc, dim, fmt);
+        }
+#endif
         for (int j = 0; j < kvecs * LANES; j++) {
-            krows[j] = j < n ? k_cache + at[cur][j] : zero_row;
-            vrows[j] = j < n ? v_cache + at[cur][j] : zero_row;
+            if (j >= n) {
+                krows[j] = vrows[j] = zero_row;
+            } else if (fmt) {
+                krows[j] = st->kq[j];
+                vrows[j] = st->vq[j];
+            } else {
+                krows[j] = (const float *)k_cache + at[cur][j];
+                vrows[j] = (const float *)v_cache + at[cur][j];
+            }
         }
         /* the next round's K and V rows are fetched while this one computes, a line per
          * step of the score and value tiles (a context's blocks lie anywhere in the pool,
@@ -551,9 +594,9 @@ static void tiled_keys(TiledRows *st, const Walk *walk, const Walk *next, int fe
          * fill the core's miss queue); what the tiles leave goes after them */
         st->ahead_n = st->ahead_at = 0;
         for (int j = 0; j < n2; j++)
-            for (int c = 0; c < dim * 4; c += 64) {
-                st->ahead[st->ahead_n++] = (const char *)(k_cache + at[cur ^ 1][j]) + c;
-                st->ahead[st->ahead_n++] = (const char *)(v_cache + at[cur ^ 1][j]) + c;
+            for (int c = 0; c < dim * esz; c += 64) {
+                st->ahead[st->ahead_n++] = (const char *)k_cache + at[cur ^ 1][j] * esz + c;
+                st->ahead[st->ahead_n++] = (const char *)v_cache + at[cur ^ 1][j] * esz + c;
             }
         if (n2 == 0 && next != NULL) { /* the last round: the next walk's first one */
             const int32_t *table = next->table; /* KEY_ROWS over the next walk's table */
@@ -562,9 +605,9 @@ static void tiled_keys(TiledRows *st, const Walk *walk, const Walk *next, int fe
             int64_t first[ROUND];
             KEY_ROWS(first, m, dim);
             for (int j = 0; j < m; j++)
-                for (int c = 0; c < dim * 4; c += 64) {
-                    st->ahead[st->ahead_n++] = (const char *)(k_cache + first[j]) + c;
-                    st->ahead[st->ahead_n++] = (const char *)(v_cache + first[j]) + c;
+                for (int c = 0; c < dim * esz; c += 64) {
+                    st->ahead[st->ahead_n++] = (const char *)k_cache + first[j] * esz + c;
+                    st->ahead[st->ahead_n++] = (const char *)v_cache + first[j] * esz + c;
                 }
         }
         /* a line every other step where the round's tile steps (the score tiles' over the
@@ -618,11 +661,17 @@ static TiledRows *tiled_scratch(void) {
  * thread's scratch cannot be allocated. */
 static int tiled_unit(const float *q, const int64_t *q_rows, int members, const int32_t *tables,
                        int64_t table_stride, const int32_t *ctx, int shared, int kv_head,
-                       int group, int num_kv_heads, int dim, const float *k_cache,
-                       const float *v_cache, int block_size, float scale, float *out) {
+                       int group, int num_kv_heads, int dim, const void *k_cache,
+                       const void *v_cache, int block_size, float scale, float *out, int fmt,
+                       const float *k_scale, const float *v_scale) {
     const int num_heads = group * num_kv_heads;
     TiledRows *const st = tiled_scratch();
     if (st == NULL) return -1;
+    for (int d = 0; fmt && d < dim; d++) { /* 8-bit caches: this KV head's scales */
+        const float unit = fmt == 2 ? 256.0f : 1.0f;
+        st->ksc[d] = k_scale[kv_head * dim + d] * unit;
+        st->vsc[d] = v_scale[kv_head * dim + d] * unit;
+    }
     for (int i = 0; i < members; i++)
         for (int g = 0; g < group; g++) {
             const int r = i * group + g;
@@ -647,7 +696,7 @@ static int tiled_unit(const float *q, const int64_t *q_rows, int members, const 
                                  ctx[i]};
     for (int w = 0; w < nw; w++)
         tiled_keys(st, &walks[w], w + 1 < nw ? &walks[w + 1] : NULL, w > 0, lim + walks[w].lo,
-                   k_cache, v_cache, kv_head, num_kv_heads, dim, block_size);
+                   k_cache, v_cache, kv_head, num_kv_heads, dim, block_size, fmt);
     for (int i = 0; i < members; i++)
         for (int g = 0; g < group; g++) {
             const int r = i * group + g;
@@ -658,6 +707,17 @@ static int tiled_unit(const float *q, const int64_t *q_rows, int members, const 
     return 0;
 }
 #endif
+
+/* Whether float32 queries over 8-bit caches of this head size take the register-tiled path
+ * (docqa_decode_attention_kv8; AVX2 with F16C): 1, else 0. */
+int docqa_decode_attention_kv8_tiled(int dim) {
+#if defined(TILED_F32) && defined(TILED_KV8)
+    return dim % (TILE_VECS * LANES) == 0 && dim % 8 == 0 && dim <= MAX_DIM;
+#else
+    (void)dim;
+    return 0;
+#endif
+}
 
 /* Whether float32 units of these dtypes and head size take the register-tiled path: then a
  * unit holds up to 48 query rows, and a group's shared keys may also run past every context of
@@ -686,17 +746,20 @@ int docqa_decode_attention_tiled(int q_dtype, int kv_dtype, int dim) {
  * out:          float32 [num_tokens, num_heads, dim]
  * num_threads:  threads for the units (the caller's torch.get_num_threads())
  */
-int docqa_decode_attention(const void *q, int q_dtype, const int64_t *q_rows, int num_tokens,
-                           const int32_t *group_start, const int32_t *group_shared,
-                           int num_groups, const void *k_cache, const void *v_cache,
-                           int kv_dtype, const int32_t *block_tables, int64_t table_stride,
-                           const int32_t *ctx_lens, int num_heads, int num_kv_heads, int dim,
-                           int block_size, float scale, float *out, int num_threads) {
+static int decode_attention(const void *q, int q_dtype, const int64_t *q_rows, int num_tokens,
+                            const int32_t *group_start, const int32_t *group_shared,
+                            int num_groups, const void *k_cache, const void *v_cache,
+                            int kv_dtype, const int32_t *block_tables, int64_t table_stride,
+                            const int32_t *ctx_lens, int num_heads, int num_kv_heads, int dim,
+                            int block_size, float scale, float *out, int num_threads, int fmt,
+                            const float *k_scale, const float *v_scale) {
     if (dim % (2 * LANES) || dim > MAX_DIM || block_size <= 0 || num_kv_heads <= 0 ||
         num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_GROUP)
         return -1;
     const int group = num_heads / num_kv_heads;
-    const int tiled = docqa_decode_attention_tiled(q_dtype, kv_dtype, dim);
+    const int tiled = fmt ? docqa_decode_attention_kv8_tiled(dim)
+                          : docqa_decode_attention_tiled(q_dtype, kv_dtype, dim);
+    if (fmt && (!tiled || q_dtype != DT_F32 || !k_scale || !v_scale)) return -1;
     for (int u = 0; u < num_groups; u++) {
         const int members = group_start[u + 1] - group_start[u];
         if (members < 1 || members * group > (tiled ? MAX_UNIT_ROWS : MAX_ROWS) ||
@@ -721,9 +784,8 @@ int docqa_decode_attention(const void *q, int q_dtype, const int64_t *q_rows, in
 #ifdef TILED_F32
         if (tiled)
             failed |= tiled_unit((const float *)q, q_rows + t, members, tables, table_stride,
-                                 ctx_lens + t, shared, h, group, num_kv_heads, dim,
-                                 (const float *)k_cache, (const float *)v_cache, block_size,
-                                 scale, o);
+                                 ctx_lens + t, shared, h, group, num_kv_heads, dim, k_cache,
+                                 v_cache, block_size, scale, o, fmt, k_scale, v_scale);
         else
 #endif
         if (dim == 64 && q_dtype == kv_dtype && q_dtype == DT_BF16)
@@ -741,6 +803,34 @@ int docqa_decode_attention(const void *q, int q_dtype, const int64_t *q_rows, in
                      scale, o);
     }
     return failed ? -1 : 0;
+}
+
+int docqa_decode_attention(const void *q, int q_dtype, const int64_t *q_rows, int num_tokens,
+                           const int32_t *group_start, const int32_t *group_shared,
+                           int num_groups, const void *k_cache, const void *v_cache,
+                           int kv_dtype, const int32_t *block_tables, int64_t table_stride,
+                           const int32_t *ctx_lens, int num_heads, int num_kv_heads, int dim,
+                           int block_size, float scale, float *out, int num_threads) {
+    return decode_attention(q, q_dtype, q_rows, num_tokens, group_start, group_shared,
+                            num_groups, k_cache, v_cache, kv_dtype, block_tables, table_stride,
+                            ctx_lens, num_heads, num_kv_heads, dim, block_size, scale, out,
+                            num_threads, 0, NULL, NULL);
+}
+
+/* docqa_decode_attention with float32 queries over 8-bit caches (kv_format 1 int8, 2 fp8 e4m3)
+ * and their scales [num_kv_heads * dim], on the register-tiled path only (kv8_tiled). */
+int docqa_decode_attention_kv8(const void *q, const int64_t *q_rows, int num_tokens,
+                               const int32_t *group_start, const int32_t *group_shared,
+                               int num_groups, const void *k_cache, const void *v_cache,
+                               const int32_t *block_tables, int64_t table_stride,
+                               const int32_t *ctx_lens, int num_heads, int num_kv_heads, int dim,
+                               int block_size, float scale, float *out, int num_threads,
+                               int kv_format, const float *k_scale, const float *v_scale) {
+    if (kv_format != 1 && kv_format != 2) return -1;
+    return decode_attention(q, DT_F32, q_rows, num_tokens, group_start, group_shared,
+                            num_groups, k_cache, v_cache, DT_F32, block_tables, table_stride,
+                            ctx_lens, num_heads, num_kv_heads, dim, block_size, scale, out,
+                            num_threads, kv_format, k_scale, v_scale);
 }
 
 /* ---------------------------------------------------------------------------------------------

@@ -305,6 +305,19 @@ int docqa_silu_mul_f32(const float *gu, int64_t ldg, int rows, int inter, float 
     return 0;
 }
 
+/* Rotary embedding of a token's first `rot` heads in place, in float32. */
+static inline void rotate_f32(float *row, const float *c, const float *s, int rot, int dim) {
+    const int half = dim / 2;
+    for (int h = 0; h < rot; h++) {
+        float *x = row + (int64_t)h * dim;
+        for (int i = 0; i < half; i++) {
+            const float x1 = x[i], x2 = x[i + half];
+            x[i] = x1 * c[i] - x2 * s[i];
+            x[i + half] = x2 * c[i + half] + x1 * s[i + half];
+        }
+    }
+}
+
 /* As docqa_rotary_store_bf16, in float32: cos and sin float32 tables [positions, dim], the
  * caches float32. */
 int docqa_rotary_store_f32(float *qkv, int64_t ldq, int n, int num_heads, int num_kv_heads,
@@ -312,23 +325,40 @@ int docqa_rotary_store_f32(float *qkv, int64_t ldq, int n, int num_heads, int nu
                            const float *sin_t, const int64_t *slots, float *k_cache,
                            float *v_cache, int num_threads) {
     if (n < 0 || dim <= 0 || dim % 2) return -1;
-    const int half = dim / 2, rot = num_heads + num_kv_heads;
+    const int rot = num_heads + num_kv_heads;
     const int64_t kv_row = (int64_t)num_kv_heads * dim;
 #pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (n >= PARALLEL_ROWS)
     for (int t = 0; t < n; t++) {
         float *row = qkv + (int64_t)t * ldq;
-        const float *c = cos_t + positions[t] * dim, *s = sin_t + positions[t] * dim;
-        for (int h = 0; h < rot; h++) {
-            float *x = row + (int64_t)h * dim;
-            for (int i = 0; i < half; i++) {
-                const float x1 = x[i], x2 = x[i + half];
-                x[i] = x1 * c[i] - x2 * s[i];
-                x[i + half] = x2 * c[i + half] + x1 * s[i + half];
-            }
-        }
+        rotate_f32(row, cos_t + positions[t] * dim, sin_t + positions[t] * dim, rot, dim);
         if (slots[t] >= 0) {
             memcpy(k_cache + slots[t] * kv_row, row + (int64_t)num_heads * dim, kv_row * 4);
             memcpy(v_cache + slots[t] * kv_row, row + (int64_t)rot * dim, kv_row * 4);
+        }
+    }
+    return 0;
+}
+
+/* docqa_rotary_store_f32 into 8-bit caches (docqa_rotary_store_bf16_kv8's quantization). */
+int docqa_rotary_store_f32_kv8(float *qkv, int64_t ldq, int n, int num_heads, int num_kv_heads,
+                               int dim, const int64_t *positions, const float *cos_t,
+                               const float *sin_t, const int64_t *slots, uint8_t *k_cache,
+                               uint8_t *v_cache, const float *k_inv, const float *v_inv,
+                               int format, int num_threads) {
+    if (n < 0 || dim <= 0 || dim % 2 || (format != 1 && format != 2)) return -1;
+    const int rot = num_heads + num_kv_heads;
+    const int kv_row = num_kv_heads * dim;
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (n >= PARALLEL_ROWS)
+    for (int t = 0; t < n; t++) {
+        float *row = qkv + (int64_t)t * ldq;
+        rotate_f32(row, cos_t + positions[t] * dim, sin_t + positions[t] * dim, rot, dim);
+        if (slots[t] >= 0) {
+            const float *k = row + (int64_t)num_heads * dim, *v = row + (int64_t)rot * dim;
+            uint8_t *kd = k_cache + slots[t] * kv_row, *vd = v_cache + slots[t] * kv_row;
+            for (int i = 0; i < kv_row; i++) {
+                kd[i] = format == 1 ? to_int8(k[i] * k_inv[i]) : to_fp8_e4m3(k[i] * k_inv[i]);
+                vd[i] = format == 1 ? to_int8(v[i] * v_inv[i]) : to_fp8_e4m3(v[i] * v_inv[i]);
+            }
         }
     }
     return 0;

@@ -46,6 +46,14 @@ typedef int (*attn_kv8_fn)(const void *q, const int64_t *q_rows, int num_tokens,
                            int block_size, float scale, void *out, const int64_t *out_rows,
                            int num_threads, int kv_format, const float *k_scale,
                            const float *v_scale);
+typedef int (*attn_f32_kv8_fn)(const void *q, const int64_t *q_rows, int num_tokens,
+                               const int32_t *group_start, const int32_t *group_shared,
+                               int num_groups, const void *k_cache, const void *v_cache,
+                               const int32_t *block_tables, int64_t table_stride,
+                               const int32_t *ctx_lens, int num_heads, int num_kv_heads,
+                               int dim, int block_size, float scale, float *out,
+                               int num_threads, int kv_format, const float *k_scale,
+                               const float *v_scale);
 typedef int (*attn_f32_fn)(const void *q, int q_dtype, const int64_t *q_rows, int num_tokens,
                            const int32_t *group_start, const int32_t *group_shared,
                            int num_groups, const void *k_cache, const void *v_cache,
@@ -65,7 +73,7 @@ typedef struct {
     int32_t bf16;       /* 1: bf16 activations and caches; 0: float32 */
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, block_size;
     float eps, scale;
-    int32_t kv_format; /* 0: caches in the compute dtype; 1: int8, 2: fp8 e4m3 (bf16 only) */
+    int32_t kv_format; /* 0: caches in the compute dtype; 1: int8, 2: fp8 e4m3 */
 } ModelDesc;
 
 /* One layer's weights and caches (filled once per model and pool). */
@@ -137,7 +145,7 @@ int docqa_forward_layers(const ModelDesc *md, const LayerDesc *layers, const Ste
                                                md->num_kv_heads, D, sd->positions, sd->cos,
                                                sd->sin, sd->slots, L->k_cache, L->v_cache, t))
         }
-        if (md->kv_format) {
+        if (md->kv_format && md->bf16) {
             STEP(((attn_kv8_fn)md->attention)(
                 sd->qkv, sd->q_start, sd->num_tokens, sd->group_start, sd->group_shared,
                 sd->num_groups, L->k_cache, L->v_cache, sd->tables, sd->table_stride, sd->ctx,
@@ -150,12 +158,21 @@ int docqa_forward_layers(const ModelDesc *md, const LayerDesc *layers, const Ste
                 md->num_heads, md->num_kv_heads, D, md->block_size, md->scale, sd->attn,
                 sd->out_start, t))
         } else {
-            /* float32 activations, caches and kernel output: token i's heads go to its row */
-            STEP(((attn_f32_fn)md->attention)(
-                sd->qkv, 0, sd->q_start, sd->num_tokens, sd->group_start, sd->group_shared,
-                sd->num_groups, L->k_cache, L->v_cache, 0, sd->tables, sd->table_stride,
-                sd->ctx, md->num_heads, md->num_kv_heads, D, md->block_size, md->scale,
-                sd->attn_f32, t))
+            /* float32 activations and kernel output (caches float32 or 8-bit): token i's
+             * heads go to its row */
+            if (md->kv_format) {
+                STEP(((attn_f32_kv8_fn)md->attention)(
+                    sd->qkv, sd->q_start, sd->num_tokens, sd->group_start, sd->group_shared,
+                    sd->num_groups, L->k_cache, L->v_cache, sd->tables, sd->table_stride,
+                    sd->ctx, md->num_heads, md->num_kv_heads, D, md->block_size, md->scale,
+                    sd->attn_f32, t, md->kv_format, L->k_scale, L->v_scale))
+            } else {
+                STEP(((attn_f32_fn)md->attention)(
+                    sd->qkv, 0, sd->q_start, sd->num_tokens, sd->group_start, sd->group_shared,
+                    sd->num_groups, L->k_cache, L->v_cache, 0, sd->tables, sd->table_stride,
+                    sd->ctx, md->num_heads, md->num_kv_heads, D, md->block_size, md->scale,
+                    sd->attn_f32, t))
+            }
             for (int i = 0; i < sd->num_tokens; i++)
                 memcpy((char *)sd->attn + sd->q_rows[i] * qd * esize,
                        sd->attn_f32 + (int64_t)i * qd, qd * esize);
