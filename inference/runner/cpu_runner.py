@@ -148,7 +148,7 @@ class CPURunner(ModelRunner):
         if kv_quant.is_kv8(self.kv_dtype) and loop is None:
             log.warning(
                 "the %s KV cache is read by the torch reference here (the compiled kernels read "
-                "8-bit caches under bfloat16 compute on AVX512-BF16 CPUs): slower than a "
+                "8-bit caches on CPUs with AVX512-BF16, or AVX2 with F16C): slower than a "
                 "16-bit cache",
                 self.kv_dtype,
             )
