@@ -169,14 +169,7 @@ def test_float32_model_over_an_8_bit_pool_runs_compiled_and_agrees(default_model
     assert model.layer_loop(llm.engine.runner.kv_caches) is not None
     builder = PromptBuilder(llm.tokenizer)
     ids = builder.build(MANUAL, QUESTIONS[0]).token_ids
-    logits = {}
-    for compiled in (True, False):
-        model.compiled_layers = compiled
-        try:
-            logits[compiled] = _first(llm, ids, use_cache=False).logits[0]
-        finally:
-            model.compiled_layers = True
-    assert torch.equal(logits[True], logits[False])
+    _assert_compiled_layers_give_the_python_loops_logits(llm, ids)
     _first(llm, ids, use_cache=True)
     warm = _first(llm, ids, use_cache=True, max_tokens=8)
     cold = _first(llm, ids, use_cache=False, max_tokens=8)
@@ -244,13 +237,17 @@ def test_8_bit_decode_logits_equal_alone_and_in_a_batch(kv8_llm):
 def test_compiled_layers_and_python_layers_agree_over_an_8_bit_pool(kv8_llm):
     """The compiled layer loop and the model's Python loop (the fused store and the bf16
     kernel called one by one) give the same logits over an 8-bit pool."""
-    model = kv8_llm.engine.runner.model
     ids = PromptBuilder(kv8_llm.tokenizer).build(MANUAL, QUESTIONS[0]).token_ids
+    _assert_compiled_layers_give_the_python_loops_logits(kv8_llm, ids)
+
+
+def _assert_compiled_layers_give_the_python_loops_logits(llm, ids) -> None:
+    model = llm.engine.runner.model
     logits = {}
     for compiled in (True, False):
         model.compiled_layers = compiled
         try:
-            logits[compiled] = _first(kv8_llm, ids, use_cache=False).logits[0]
+            logits[compiled] = _first(llm, ids, use_cache=False).logits[0]
         finally:
             model.compiled_layers = True
     assert torch.equal(logits[True], logits[False])
