@@ -43,9 +43,15 @@ def browser():
 
 
 def _wait(d, what, timeout: float = 120):
+    """Poll ``what(d)`` until it is true; an element the page re-rendered meanwhile (the lists
+    are rebuilt as they refresh) or not there yet is polled again."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(d, timeout, poll_frequency=0.05).until(lambda d: what(d))
+    ignored = (NoSuchElementException, StaleElementReferenceException)
+    return WebDriverWait(d, timeout, poll_frequency=0.05, ignored_exceptions=ignored).until(
+        lambda d: what(d)
+    )
 
 
 def _by(css: str):
@@ -95,7 +101,7 @@ def test_the_page_asks_streams_cancels_and_shows_what_the_cache_saved(
     manual.write_text(f"Revision {uuid.uuid4().hex}\n\n{SAMPLE}")
     d.find_element(*_by("#file")).send_keys(str(manual))
     _wait(d, lambda d: "tokens" in d.find_element(*_by("#upload-status")).text)
-    assert d.find_element(*_by("#manual-list li.selected .title")).text == "washer"
+    _wait(d, lambda d: d.find_element(*_by("#manual-list li.selected .title")).text == "washer")
     # two questions: the second reads the manual (and the first turn) from the cache
     _ask(d, "Which option compresses the archive?")
     _wait(d, lambda d: _finished(d, 1))
@@ -143,10 +149,16 @@ def test_the_page_asks_streams_cancels_and_shows_what_the_cache_saved(
         f"Dropped manual {uuid.uuid4().hex}. Press START to begin.",
     )
     _wait(d, lambda d: "dropped:" in d.find_element(*_by("#upload-status")).text)
-    dropped = d.find_element(*_by("#manual-list li.selected"))
-    assert dropped.find_element(*_by(".title")).text == "dropped"
-    dropped_id = dropped.get_attribute("data-manual-id")
-    dropped.find_element(*_by(".delete")).click()
+    # the list may be rebuilt by its refresh between any two reads: each read is one poll
+    selected = "#manual-list li.selected"
+    _wait(d, lambda d: d.find_element(*_by(f"{selected} .title")).text == "dropped")
+    dropped_id = _wait(d, lambda d: d.find_element(*_by(selected)).get_attribute("data-manual-id"))
+
+    def delete(d) -> bool:
+        d.find_element(*_by(f"li[data-manual-id='{dropped_id}'] .delete")).click()
+        return True
+
+    _wait(d, delete)
     _wait(d, lambda d: not d.find_elements(*_by(f"li[data-manual-id='{dropped_id}']")))
     with sqlite_server.client() as c:
         assert c.get(f"/v1/manuals/{dropped_id}").status_code == 404
