@@ -209,15 +209,16 @@ REPLAYS = 5  # arrival orders the replay averages (its first preemption varies w
 def cmd_workload_export(args) -> int:
     """Every answered turn of the stored conversations as {"prompt_tokens", "output_tokens"}
     JSON lines, for ``docqa kv-budget --workload``."""
-    from app.db.workload import export_workload
+    from app.db.workload import export_workload, parse_since
     from app.settings import Settings
 
+    since = parse_since(args.since)  # before the output file is opened: nothing written
     settings = Settings.from_env(database_url=args.database_url)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as out:
-            n = export_workload(settings.database_url, out, since=args.since)
+            n = export_workload(settings.database_url, out, since)
     else:
-        n = export_workload(settings.database_url, sys.stdout, since=args.since)
+        n = export_workload(settings.database_url, sys.stdout, since)
     print(f"{n} turns", file=sys.stderr)
     return 0
 

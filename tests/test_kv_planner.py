@@ -127,6 +127,11 @@ def test_kv_budget_errors_are_one_line(tmp_path):
         "--memory-gib or --device-memory-gib",
     )
     _assert_one_line_error(docqa("kv-budget", "--kv-dtype", "int4"), "unknown dtype")
+    _assert_one_line_error(
+        docqa("workload", "export", "--since", "last week", "-o", str(tmp_path / "w.jsonl")),
+        "--since must be an ISO date",
+    )
+    assert not (tmp_path / "w.jsonl").exists()  # nothing written
 
 
 def test_workload_export_reads_the_services_conversations(sqlite_server, tmp_path):

@@ -16,7 +16,8 @@ from app.db.session import Database
 from inference.errors import DocqaError
 
 
-def _parse_since(since: str | None) -> datetime | None:
+def parse_since(since: str | None) -> datetime | None:
+    """``--since`` as an aware datetime (UTC where it names no zone), or None."""
     if since is None:
         return None
     try:
@@ -48,6 +49,6 @@ async def _export(url: str, out: TextIO, since: datetime | None) -> int:
     return n
 
 
-def export_workload(url: str, out: TextIO, since: str | None = None) -> int:
-    """Write one JSON line per answered turn; returns how many."""
-    return asyncio.run(_export(url, out, _parse_since(since)))
+def export_workload(url: str, out: TextIO, since: datetime | None = None) -> int:
+    """Write one JSON line per answered turn created at or after ``since``; returns how many."""
+    return asyncio.run(_export(url, out, since))

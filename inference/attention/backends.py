@@ -289,7 +289,10 @@ class TritonBackend:
         return plan
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        if all(meta.is_decode_list):  # one token a sequence, in order: the step's own tensors
+        decode_only = meta.scratch.get("decode-only")
+        if decode_only is None:  # once per step, for every layer
+            decode_only = meta.scratch["decode-only"] = all(meta.is_decode_list)
+        if decode_only:  # one token a sequence, in order: the step's own tensors
             # (no tensor made from host lists, so a CUDA graph can capture the step)
             return self.k.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale
