@@ -8,8 +8,12 @@ the final server-sent event of a streamed answer).
   this request's prompt chunks; ``decode_ms`` first token to last; ``tpot_ms`` =
   decode_ms / (completion_tokens - 1), 0 when completion_tokens <= 1; ``e2e_ms`` arrival to
   finish; ``ttft_saved_ms`` = fit(prompt_tokens, context 0) - fit(computed tokens, context
-  cached_tokens), where fit is the engine's prefill cost model, learned online from the
-  prefill chunks it has run (0 until fitted).
+  cached_tokens), where fit is the engine's prefill cost model (fitted at start, then
+  following the prefill steps it runs and the machine's speed now; ``inference/metrics.py``),
+  never above a cold run of the same prompt measured by the engine; ``ttft_saved_basis`` says
+  how it was obtained: ``estimate`` (the cost model), ``cold_run`` (capped by that
+  measurement), ``none`` (nothing came from the cache: 0). A request with ``cache: "bypass"``
+  is the measured comparison.
 - ``warnings``: prompt-linter findings and notes such as dropped history turns.
 """
 
@@ -32,6 +36,18 @@ class Timings(Struct):
     decode_ms: float
     tpot_ms: float
     e2e_ms: float
+    ttft_saved_ms: float
+    ttft_saved_basis: str = "none"
+
+
+class Ledger(Struct):
+    """What the cache saved answering about one manual, over every answer stored (turns,
+    one-shot questions, OpenAI-style calls naming it)."""
+
+    answers: int
+    prompt_tokens: int
+    cached_tokens: int
+    cached_tokens_by_tier: dict[str, int]
     ttft_saved_ms: float
 
 

@@ -257,7 +257,7 @@ def cmd_ask(args) -> int:
     llm = LLM(args.model, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib, kv_dtype=args.kv_dtype)
     engine = llm.engine
     builder = PromptBuilder(llm.tokenizer)
-    from inference.engine.sampler import SamplingParams
+    from inference.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     prefix = builder.prefix_ids(text)

@@ -292,6 +292,8 @@ class EngineRunner:
                 metrics,
                 started=req.times.first_scheduled is not None,
                 got_first_token=req.times.first_token is not None,
+                cached_tokens=max(req.num_cached_tokens, 0),
+                redis_tokens=req.num_tier_cached_tokens,
             )
         if error is not None:
             handle.loop.call_soon_threadsafe(handle._finish, error)

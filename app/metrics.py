@@ -3,7 +3,7 @@ thread, engine counters and gauges read at scrape time."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from inference.metrics import RequestMetrics
@@ -182,6 +182,15 @@ class ServiceMetrics:
             buckets=(0, *_COUNT_BUCKETS),
             registry=self.registry,
         )
+        self.saved = Counter(
+            "docqa:prefill_seconds_saved",
+            "Time to first token the prefix cache saved answers (each answer's ttft_saved_ms), "
+            "by the tier its reused tokens came from, split in proportion to their counts",
+            ["tier"],
+            registry=self.registry,
+        )
+        for tier in ("device", "redis"):
+            self.saved.labels(tier=tier)
         self._collector: _EngineCollector | None = None
 
     def attach(self, runner) -> None:
@@ -205,12 +214,24 @@ class ServiceMetrics:
     def observe_inter_token(self, seconds: float) -> None:
         self.itl.observe(seconds)
 
-    def observe_request(self, m: RequestMetrics, started: bool, got_first_token: bool) -> None:
+    def observe_request(
+        self,
+        m: RequestMetrics,
+        started: bool,
+        got_first_token: bool,
+        cached_tokens: int = 0,
+        redis_tokens: int = 0,
+    ) -> None:
         if not started:
             return
         self.queue.observe(m.queue_ms / 1000)
         if got_first_token:
             self.ttft.observe(m.ttft_ms / 1000)
+            if cached_tokens > 0 and m.ttft_saved_ms > 0:
+                saved = m.ttft_saved_ms / 1000
+                redis = saved * redis_tokens / cached_tokens
+                self.saved.labels(tier="device").inc(saved - redis)
+                self.saved.labels(tier="redis").inc(redis)
         self.e2e.observe(m.e2e_ms / 1000)
 
     def render(self) -> bytes:

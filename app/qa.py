@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 
 from app.answer import Answer, Timings, Usage
@@ -59,6 +59,7 @@ class Job:
     conversation_id: str | None = None
     tenant: str | None = None  # who may cancel it
     warnings: list[str] = field(default_factory=list)
+    manual_id: str | None = None  # the manual whose ledger the answer adds to
 
 
 class IncrementalDecoder:
@@ -340,7 +341,32 @@ class QAService:
         answer = self.answer(job, completion)
         if job.conversation_id is not None:
             await self._store_turn(job, completion, answer)
+        elif job.manual_id is not None and answer.usage.completion_tokens:
+            try:
+                async with self.db.transaction() as s:
+                    await self.record_ledger(s, job, answer)
+            except Exception as e:  # the answer stands; only its ledger entry is lost
+                log.warning("the ledger of %s was not updated: %s", job.manual_id, e)
+                answer.warnings.append(f"this answer is not in the manual's ledger: {e}")
         return answer
+
+    @staticmethod
+    async def record_ledger(s, job: Job, answer: Answer) -> None:
+        """Add an answer to its manual's ledger (``Manual.answers`` and the rest), in the
+        session's transaction: one UPDATE of sums, so replicas sharing the database never lose
+        an answer to another's."""
+        u, t = answer.usage, answer.timings
+        await s.execute(
+            update(Manual)
+            .where(Manual.id == job.manual_id, Manual.tenant == job.tenant)
+            .values(
+                answers=Manual.answers + 1,
+                answered_prompt_tokens=Manual.answered_prompt_tokens + u.prompt_tokens,
+                cached_tokens=Manual.cached_tokens + u.cached_tokens,
+                cached_tokens_redis=Manual.cached_tokens_redis + u.cached_tokens_by_tier["redis"],
+                ttft_saved_ms=Manual.ttft_saved_ms + t.ttft_saved_ms,
+            )
+        )
 
     def answer(self, job: Job, c: Completion) -> Answer:
         tok = self.runner.engine.tokenizer
@@ -395,6 +421,8 @@ class QAService:
                             warnings=list(answer.warnings),
                         )
                     )
+                    if job.manual_id is not None and answer.usage.completion_tokens:
+                        await self.record_ledger(s, job, answer)
                 return
             except IntegrityError as e:
                 # a concurrent turn took this seq, or the conversation was deleted meanwhile

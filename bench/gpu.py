@@ -12,8 +12,9 @@
    2,000 and 8,000 tokens with its model FLOP utilisation (model FLOPs / time / the bf16 rate of
    a large product measured in the same run), warm TTFT for a question after the 8,000-token
    manual, and decode tokens/s at batch 1 and 32, its decode steps replayed from CUDA graphs:
-   graph-replayed and eager logits bitwise equal (a check that fails the run), batch-1 decode
-   eager beside.
+   graph-replayed logits bitwise equal to the same padded steps run eagerly (a check that
+   fails the run), batch-1 decode eager beside; graph memory and the activation reserve,
+   measured and planned.
 5. Batch invariance (``--batch-invariant``) on a random-weight model of Llama-3-8B width with 4
    layers, its fast path beside it: for 4 questions after a 3,000-token manual, the next-token
    logits of 16 decode steps bitwise equal cold against warm, alone against batched with 7
@@ -379,25 +380,28 @@ def engine_bench(quick: bool, dry: bool) -> dict:
             eng.release(r)
         res[f"decode_tok_s_batch{batch}"] = tokens / dt_s
     runner = eng.runner
-    if getattr(runner, "graphs", None):
-        # graph-replayed and eager decode steps: the same logits, bitwise (the run fails if
-        # not), and batch-1 decode eager beside the graphs' figure above
+    if getattr(runner, "decode_mode", None) == "graphs":
+        # graph-replayed decode steps against the same padded steps run eagerly (the same
+        # matrix shapes: a 5-sequence step is 8 rows either way): the same logits, bitwise
+        # (the run fails if not); and batch-1 decode eager, unpadded, beside the graphs'
+        # figure above
         prompts = [torch.randint(100, 40000, (200,), generator=gen).tolist() for _ in range(5)]
         logits = {}
-        for graphs in (True, False):
-            runner.use_graphs = graphs
+        for mode in ("graphs", "eager-padded"):
+            runner.decode_mode = mode
             reqs = [
                 eng.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True), keep_logits=True)
                 for p in prompts
             ]
             while any(not r.finished for r in reqs):
                 eng.step()
-            logits[graphs] = [torch.stack(r.logits) for r in reqs]
+            logits[mode] = [torch.stack(r.logits) for r in reqs]
             for r in reqs:
                 eng.release(r)
         res["graphs_vs_eager_logits_equal"] = all(
-            torch.equal(a, b) for a, b in zip(logits[True], logits[False], strict=True)
+            torch.equal(a, b) for a, b in zip(logits["graphs"], logits["eager-padded"], strict=True)
         )
+        runner.decode_mode = "eager"
         reqs = [eng.add_request(prompts[0], SamplingParams(max_tokens=32, ignore_eos=True))]
         while reqs[0].times.first_token is None:
             eng.step()
@@ -408,7 +412,10 @@ def engine_bench(quick: bool, dry: bool) -> dict:
         sync()
         res["decode_tok_s_batch1_eager"] = (eng.num_steps - s0) / (time.perf_counter() - t0)
         eng.release(reqs[0])
-        runner.use_graphs = True
+        runner.decode_mode = "graphs"
+        res["graph_MiB"] = runner.graphs.bytes / 2**20
+    res["activation_reserve_measured_MiB"] = (runner.reserve.measured_bytes or 0) / 2**20
+    res["activation_reserve_planned_MiB"] = runner.reserve.planned_bytes / 2**20
     eng.close()
     return res
 
@@ -615,7 +622,16 @@ def main() -> int:
     elif not torch.cuda.is_available():
         print("bench/gpu.py needs a CUDA device (or --dry-run)", file=sys.stderr)
         return 2
-    from inference.kernels.triton import paged_attention as ta
+    from types import SimpleNamespace
+
+    from inference.kernels.triton import common, decode_attention, kv_store, prefill_attention
+
+    ta = SimpleNamespace(
+        paged_decode_attention=decode_attention.paged_decode_attention,
+        paged_prefill_attention=prefill_attention.paged_prefill_attention,
+        store_kv=kv_store.store_kv,
+        LAUNCHES=common.LAUNCHES,
+    )
 
     dev = torch.device("cpu" if args.dry_run else "cuda")
     t_all = time.perf_counter()

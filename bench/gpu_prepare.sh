@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Run here, where pip reaches PyPI, before a GPU run of the whole service (bench/gpu_run.sh):
 #   bench/gpu_prepare.sh
-# 1. .whl/: the service's Python packages that the GPU machine's image lacks, as wheels for
-#    CPython 3.12 on manylinux x86-64, at the versions this checkout's .venv runs (about 20 MB).
+# 1. .whl/: docqa's own wheel, and the service's Python packages that the GPU machine's image
+#    lacks, as wheels for CPython 3.12 on manylinux x86-64, at the versions this checkout's
+#    .venv runs (about 20 MB). bench/gpu_run.sh installs docqa there from these alone, keeping
+#    every package the machine already has at a version docqa can use.
 # 2. .gpu/home: a DOCQA_HOME holding the benchmark model random:llama-3-8b (its config.json and
 #    the default model's tokenizer files, a few MB; the weights are drawn there at start).
 # Both are ignored by git and travel with the device tool's `carry` (.whl and .gpu).
@@ -27,6 +29,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any \
   -d .whl "${pins[@]}"
+"$PY" -m pip wheel -q --no-deps --no-build-isolation -w .whl .
 # the benchmark model's directory, from the default model's tokenizer (imported here if needed)
 src=$("$PY" -c 'from inference.model.model_import import import_default_model as f; print(f())')
 mkdir -p .gpu/home/models/SmolLM2-135M-Instruct

@@ -4,12 +4,17 @@
 #   bench/gpu_run.sh check [--dry-run] [SECTIONS]   bench/gpu.py --quick: kernels, timings,
 #       engine, fp8 KV, batch invariance (SECTIONS: e.g. timings,engine; default all)
 #   bench/gpu_run.sh service [--dry-run]  the whole service under load (below)
-# Installs the carried wheels, then, for `service`, starts `docqa serve` on the benchmark model
-# random:llama-3-8b (random bf16 weights, the default tokenizer; SQLite in /tmp) and runs
-# bench/load.py against it at 1, 16 and 64 clients in the shared-prefix shape: 8 manuals of
-# about 2,000 tokens, questions of about 128 tokens, answers of 256. Writes its JSON and logs
-# under $OUT (or bench/results). --dry-run: the same on this CPU (this machine's DOCQA_HOME and
-# .venv; `service` with random:smollm2-135m, 1 client, small).
+# First an environment of its own: a virtualenv over the machine's Python (GPU_PYTHON, python3
+# by default), which sees that Python's packages (torch, Triton, numpy, ...) through a .pth
+# file, never shadowing them, and into which pip installs docqa's wheel with, from .whl alone
+# (no index, no network), only what the machine lacks or has at a version docqa cannot use.
+# Then, for `service`, `docqa serve` on the benchmark model random:llama-3-8b (random bf16
+# weights, the default tokenizer; SQLite in /tmp) and bench/load.py against it at 1, 16 and 64
+# clients in the shared-prefix shape: 8 manuals of about 2,000 tokens, questions of about 128
+# tokens, answers of 256. Writes its JSON and logs under $OUT (or bench/results).
+# --dry-run: the same on this CPU over this checkout's .venv (docqa's wheel built here, every
+# package it needs found in .venv), with this machine's DOCQA_HOME; `service` with
+# random:smollm2-135m, 1 client, small.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:?usage: bench/gpu_run.sh check|service [--dry-run] [SECTIONS]}
@@ -18,17 +23,29 @@ dry=
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-PY=${PY:-python3}
+env_dir=${DOCQA_GPU_ENV:-/tmp/docqa-gpu-env}
 if [ "$dry" = --dry-run ]; then
-  [ -x .venv/bin/python ] && PY=.venv/bin/python
+  base=${GPU_PYTHON:-.venv/bin/python}
+  wheels=$(mktemp -d)
+  "$base" -m pip wheel -q --no-deps --no-build-isolation --no-index -w "$wheels" . >&2
 else
-  if [ -d .whl ] && [ -n "$(ls .whl)" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site:$PWD
-  fi
+  base=${GPU_PYTHON:-python3}
+  wheels=.whl
+  [ -n "$(ls "$wheels"/docqa-*.whl 2>/dev/null)" ] || {
+    echo "bench/gpu_run.sh: no docqa wheel in $wheels (run bench/gpu_prepare.sh first)" >&2
+    exit 2
+  }
   export DOCQA_HOME=$PWD/.gpu/home
 fi
+rm -rf "$env_dir"
+"$base" -m venv --without-pip "$env_dir"
+site=$("$env_dir/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+"$base" -c 'import site; print("\n".join(site.getsitepackages()))' > "$site/_machine.pth"
+pip=("$base" -m pip --python "$env_dir/bin/python" install -q --no-index --no-cache-dir)
+"${pip[@]}" --no-deps --force-reinstall "$wheels"/docqa-*.whl >&2
+"${pip[@]}" --find-links "$wheels" docqa >&2  # its requirements: the machine's, or from .whl
+PY=$env_dir/bin/python
+"$PY" -c 'import torch, triton; print(f"docqa environment: torch {torch.__version__}, triton {triton.__version__}")'
 
 if [ "$what" = check ]; then
   sections=${3:-${2:-}}

@@ -2,7 +2,7 @@
 
 from inference.config import EngineConfig
 from inference.engine.llm_engine import LLMEngine
-from inference.engine.sampler import SamplingParams
+from inference.engine.sampling_params import SamplingParams
 from inference.errors import DocqaError, ModelError, PromptTooLongError
 from inference.llm import LLM, RequestOutput
 

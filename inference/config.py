@@ -35,6 +35,9 @@ class EngineConfig:
     batch_invariant: bool = False
     # CUDA: decode steps replayed from graphs captured at start (runner/graphs.py)
     cuda_graphs: bool = False
+    # a few prompts computed at start to fit the prefill cost model (``ttft_saved_ms``) before
+    # the first question (ModelRunner.profile_reserve)
+    calibrate_prefill_cost: bool = True
 
     def __post_init__(self):
         if self.block_size not in BLOCK_SIZES:

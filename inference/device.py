@@ -171,3 +171,57 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
             return torch.float32
         return torch.bfloat16
     return parse_dtype(dtype)
+
+
+def _proc_status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def peak_memory_during(device: torch.device, fn) -> int | None:
+    """Bytes of memory in use at the peak of ``fn()``, above what was in use when it began:
+    on a GPU from torch's allocator statistics (its cache emptied first), on the CPU from the
+    process's resident high-water mark (Linux: reset through /proc/self/clear_refs); None
+    where the CPU gives no such mark."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+        torch.cuda.empty_cache()
+        return peak
+    base = _proc_status_kib("VmRSS")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the high-water mark back to the resident set now
+    except OSError:
+        base = None
+    fn()
+    peak = _proc_status_kib("VmHWM")
+    if base is None or peak is None:
+        return None
+    return max(0, peak - base) * 1024
+
+
+def capturing_graph(t: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on ``t``'s device (its kernels' grids are then
+    fixed for every replay)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def tensor_from_host(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on ``device``: on a GPU through pinned memory and an
+    asynchronous copy, so the host never waits for the device's queued work."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)

@@ -36,7 +36,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from inference.engine.sampler import SamplingParams
+from inference.engine.sampling_params import SamplingParams
 from inference.engine.scheduler import Scheduler, SchedulerConfig
 from inference.engine.sequence import Request
 

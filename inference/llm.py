@@ -7,7 +7,7 @@ from pathlib import Path
 
 from inference.config import EngineConfig
 from inference.engine.llm_engine import LLMEngine
-from inference.engine.sampler import SamplingParams
+from inference.engine.sampling_params import SamplingParams
 from inference.errors import ModelError
 from inference.metrics import RequestMetrics
 from inference.model import bench_model

@@ -37,14 +37,16 @@ def write_tiny_model(
     seed: int = 0,
     qkv_bias: bool = False,
     intermediate: int | None = None,
+    vocab: int = 49152,
 ) -> Path:
-    """A random Llama checkpoint with the default model's tokenizer (vocab 49152)."""
+    """A random Llama checkpoint with the default model's tokenizer (its vocab, 49152, unless
+    ``vocab`` is smaller: then ids at or past it are not the model's)."""
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=49152,
+        vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=intermediate or hidden * 2 + 8,
         num_hidden_layers=layers,

@@ -102,19 +102,48 @@ def test_api_keys(pg_server):
 
 
 def test_manuals_and_conversations_survive_a_restart(default_model_dir, tmp_path):
+    """A freshly started server reports what the cache saved from its first cache hit (the
+    cost model is fitted at start); every answer adds to its manual's ledger, which a restart
+    keeps."""
     srv = Server(tmp_path, f"sqlite:///{tmp_path / 'docqa.db'}", name="restart").start()
     try:
         with srv.client() as c:
             m = c.post("/v1/manuals", json={"title": "t", "text": SAMPLE}).json()
+            assert m["ledger"]["answers"] == 0
+            body = {"manual_id": m["id"], "max_tokens": 4}
+            cold = c.post("/v1/ask", json={**body, "question": "Which option lists?"}).json()
+            warm = c.post("/v1/ask", json={**body, "question": "And which extracts?"}).json()
+            assert cold["usage"]["cached_tokens"] == 0
+            assert cold["timings"]["ttft_saved_basis"] == "none"
+            assert warm["usage"]["cached_tokens"] > 0
+            assert warm["timings"]["ttft_saved_ms"] > 0, warm["timings"]
+            assert warm["timings"]["ttft_saved_basis"] == "estimate"
             conv = c.post("/v1/conversations", json={"manual_id": m["id"]}).json()
             url = f"/v1/conversations/{conv['id']}/messages"
             t1 = c.post(url, json={"content": "What does -k do?", "max_tokens": 6}).json()
+            answers = [cold, warm, t1]
+            ledger = c.get(f"/v1/manuals/{m['id']}").json()["ledger"]
+            assert ledger["answers"] == 3
+            assert ledger["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in answers)
+            assert ledger["cached_tokens"] == sum(a["usage"]["cached_tokens"] for a in answers)
+            assert ledger["cached_tokens_by_tier"] == {
+                "device": ledger["cached_tokens"],
+                "redis": 0,
+            }
+            saved = sum(a["timings"]["ttft_saved_ms"] for a in answers)
+            assert abs(ledger["ttft_saved_ms"] - saved) < 0.2, (ledger, saved)
+            metrics = c.get("/metrics").text
+            device = 'docqa:prefill_seconds_saved_total{tier="device"}'
+            line = next(x for x in metrics.splitlines() if x.startswith(device))
+            assert abs(float(line.split()[-1]) * 1000 - saved) < 1.0, line
     finally:
         srv.stop()
     srv.start()
     try:
         with srv.client() as c:
-            assert [x["id"] for x in c.get("/v1/manuals").json()["items"]] == [m["id"]]
+            items = c.get("/v1/manuals").json()["items"]
+            assert [x["id"] for x in items] == [m["id"]]
+            assert items[0]["ledger"] == ledger  # the ledger is the database's
             detail = c.get(f"/v1/conversations/{conv['id']}").json()
             assert [x["content"] for x in detail["messages"]] == ["What does -k do?", t1["answer"]]
             t2 = c.post(url, json={"content": "And -z?", "max_tokens": 4}).json()
@@ -124,6 +153,7 @@ def test_manuals_and_conversations_survive_a_restart(default_model_dir, tmp_path
                 > t1["usage"]["prompt_tokens"] + t1["usage"]["completion_tokens"]
             )
             assert c.get(f"/v1/conversations/{conv['id']}").json()["message_count"] == 4
+            assert c.get(f"/v1/manuals/{m['id']}").json()["ledger"]["answers"] == 4
     finally:
         srv.stop()
 
@@ -200,7 +230,9 @@ def test_concurrent_migrations_on_postgres(tmp_path):
         ]
         outs = [p.communicate(timeout=120)[0].decode() for p in procs]
         assert all(p.returncode == 0 for p in procs), outs
-        assert all("database at revision 0001" in o for o in outs), outs
+        from app.db.migrate import head_revision
+
+        assert all(f"database at revision {head_revision()}" in o for o in outs), outs
     finally:
         drop_pg_database(url)
 

@@ -50,3 +50,39 @@ def test_the_project_refers_to_no_document_outside_it():
         if (ROOT / p).is_file() and outside.search((ROOT / p).read_text(errors="replace"))
     ]
     assert not found, found
+
+
+def test_no_python_file_of_the_engine_outgrows_a_readers_sitting():
+    """One noun per module: no file in inference/ over 500 lines."""
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in (ROOT / "inference").rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 500
+    }
+    assert not long, long
+
+
+def test_the_sampler_and_the_request_do_not_import_each_other():
+    """The sampler reads what it needs of a request through a protocol; the request keeps its
+    sampling parameters from their own module."""
+    imports = re.compile(r"^\s*(from|import)\s+inference\.engine\.(\w+)", re.M)
+    engine = ROOT / "inference" / "engine"
+    sampler = {m.group(2) for m in imports.finditer((engine / "sampler.py").read_text())}
+    sequence = {m.group(2) for m in imports.finditer((engine / "sequence.py").read_text())}
+    assert "sequence" not in sampler and "sampler" not in sequence, (sampler, sequence)
+
+
+def test_no_module_imports_another_modules_private_names():
+    """What a module shares it names without a leading underscore (the Triton kernels' shared
+    helpers live in kernels/triton/common.py for that)."""
+    import ast
+
+    found = []
+    for package in ("inference", "app", "prefix_store", "prompts"):
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(package):
+                    private = [a.name for a in node.names if a.name.startswith("_")]
+                    if private:
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {private}")
+    assert not found, found

@@ -70,6 +70,7 @@ def test_ask_reuses_the_manual_cache(default_model_dir, tmp_path):
             "tpot_ms",
             "e2e_ms",
             "ttft_saved_ms",
+            "ttft_saved_basis",
         }
     computed = [int(m) for m in re.findall(r"(\d+) computed", r.stderr)]
     assert len(computed) == 3

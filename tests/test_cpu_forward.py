@@ -1,12 +1,14 @@
 """The compiled layer loop (inference/kernels/cpu/forward.py, csrc/forward.c) against the model's
 Python loop: the same kernels with the same arguments, so the same bits, step after step."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 from conftest import write_tiny_model
 
 from inference import LLM, SamplingParams
-from inference.kernels.cpu import linear as cpu_linear
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +29,14 @@ def kernel_model_dir(tmp_path_factory, default_model_dir):
     )
 
 
-def _compiled_path_here(dtype: str) -> bool:
-    if dtype == "float32":
-        return bool(cpu_linear.linear_f32_panel())
-    return bool(cpu_linear.linear_bf16_panel() or cpu_linear.linear_bf16_amx_available())
+def _compiled_path_here(model_dir, dtype: str) -> bool:
+    """Whether this CPU runs the kernel model's layers in one call (asked of the code that
+    decides it, never assumed from the CPU the test was written on)."""
+    from inference.kernels.cpu.forward import layers_compile_here
+    from inference.model.config import ModelConfig
+
+    t = getattr(torch, dtype)
+    return layers_compile_here(t, t, ModelConfig.from_file(model_dir), 16)
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -62,7 +68,7 @@ def _serve(llm, compiled: bool) -> list:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_compiled_layers_give_the_python_loops_bits(kernel_model_dir, dtype):
-    if not _compiled_path_here(dtype):
+    if not _compiled_path_here(kernel_model_dir, dtype):
         pytest.skip(f"no compiled {dtype} linear kernel on this CPU: the Python loop runs")
     runs = {}
     for compiled in (True, False):
@@ -86,3 +92,27 @@ def test_models_without_kernels_for_every_part_keep_the_python_loop(tiny_model_d
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     out = llm.generate(prompt_token_ids=[_prompt(3, 20)], sampling_params=params)
     assert len(out[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_deleted_engine_frees_its_memory_at_once(kernel_model_dir, dtype):
+    """No reference cycle keeps an engine's runner, model or KV pool alive after the last
+    reference goes (the runner's sampler and the model's compiled layer loop hold none back):
+    a second engine in the same process finds the memory free without a garbage collection."""
+    gc.collect()
+    gc.disable()
+    try:
+        llm = LLM(kernel_model_dir, dtype=dtype, kv_cache_gib=0.01, max_num_batched_tokens=64)
+        llm.generate(
+            prompt_token_ids=[_prompt(4, 30)], sampling_params=SamplingParams(max_tokens=2)
+        )
+        runner = llm.engine.runner
+        if runner.prefault is not None:  # the pool's pages mapped in the background hold it
+            runner.prefault.join()
+        held = [llm.engine, runner, runner.model, runner.sampler, runner.kv_caches[0][0]]
+        refs = [weakref.ref(x) for x in held]
+        del llm, runner, held
+        alive = [type(r()).__name__ for r in refs if r() is not None]
+        assert not alive, f"kept alive by a reference cycle: {alive}"
+    finally:
+        gc.enable()

@@ -154,3 +154,53 @@ def test_a_row_whose_sampling_fails_fails_alone():
     assert all(isinstance(t, int) and 0 <= t < 40 for t in (out[0], out[2]))
     tiny = Request("t", [1], SamplingParams(temperature=1e-38))
     assert tiny.params.greedy and Sampler()(logits[:1], [tiny]) == [int(logits[0].argmax())]
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Records every read back to the host (tolist, item, cpu, numpy) of a tensor sharing
+    storage with the watched ones."""
+
+    READS = (torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.numpy)
+
+    def __init__(self, watched):
+        super().__init__()
+        self.ptrs = {t.untyped_storage().data_ptr() for t in watched}
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        t = args[0] if args else None
+        if func in self.READS and isinstance(t, torch.Tensor) and self._watched(t):
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+    def _watched(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in self.ptrs
+
+
+def test_planning_a_mixed_step_reads_nothing_back_from_the_device():
+    """A step's plans (the torch reference's work items, the Triton backend's split of decode
+    rows and prompt chunks) come from the runner's host copies: on a GPU a read of a device
+    tensor would make the host wait for every queued kernel before layer 0."""
+    from inference.attention.backends import TritonBackend
+    from inference.attention.reference import paged_attention_reference
+
+    bufs = InputBuffers(64, 4, 8, 16, torch.device("cpu"))
+    a = Request("a", list(range(100, 140)), SamplingParams())
+    b = Request("b", list(range(200, 230)), SamplingParams())
+    b.output_token_ids.append(7)
+    sched = SchedulerOutput(
+        [ScheduledChunk(a, 24, 16, [3, 1, 4], False, True),
+         ScheduledChunk(b, 1, 30, [5, 2], True, True)],
+        [],
+    )  # fmt: skip
+    meta = bufs.prepare(sched).meta
+    # the device's tensors apart from the host's, as on a GPU (on the CPU they are one)
+    for name in ("block_tables", "seq_lens", "cu_seqlens_q", "slot_mapping"):
+        setattr(meta, name, getattr(meta, name).clone())
+    watched = (meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, meta.slot_mapping)
+    kc = torch.randn(8, 16, 2, 16)
+    q = torch.randn(25, 4, 16)
+    with _HostReads(watched) as mode:
+        paged_attention_reference(q, kc, kc.clone(), meta, 0.25, flash=False)
+        TritonBackend._split(TritonBackend.__new__(TritonBackend), meta, q.device)
+    assert not mode.reads, mode.reads

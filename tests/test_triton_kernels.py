@@ -14,7 +14,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from inference.kernels.triton import paged_attention as ta  # noqa: E402
+from inference.kernels.triton import common, decode_attention, kv_store, prefill_attention  # noqa: E402
 
 POISON = float("nan")
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -87,7 +87,7 @@ def test_store_kv(dtype, heads, kvh, d, bs):
     slots = torch.randperm(nb * bs, generator=gen)[:n]
     slots[3] = -1
     slots[7] = -1
-    ta.store_kv(key, value, k_cache, v_cache, slots)
+    kv_store.store_kv(key, value, k_cache, v_cache, slots)
     keep = slots >= 0
     k_ref.view(-1, kvh, d)[slots[keep]] = key[keep]
     v_ref.view(-1, kvh, d)[slots[keep]] = value[keep]
@@ -97,7 +97,9 @@ def test_store_kv(dtype, heads, kvh, d, bs):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads,kvh,d,bs", CASES)
 def test_paged_decode_attention(dtype, heads, kvh, d, bs, monkeypatch):
-    monkeypatch.setattr(ta, "DECODE_PARTITION", 2 * bs)  # several partitions, small inputs
+    monkeypatch.setattr(
+        decode_attention, "DECODE_PARTITION", 2 * bs
+    )  # several partitions, small inputs
     gen, seed = fresh_generator()
     lens = [int(x) for x in torch.randint(1, 5 * bs, (3,), generator=gen)]
     lens[0] = 3 * bs + 5  # spans partitions, not a multiple of the block size
@@ -107,7 +109,7 @@ def test_paged_decode_attention(dtype, heads, kvh, d, bs, monkeypatch):
     q = torch.randn(len(lens), heads, d, generator=gen).to(dtype)
     out = torch.full_like(q, POISON)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    ta.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, d**-0.5, out=out)
+    decode_attention.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, d**-0.5, out=out)
     assert not torch.isnan(out).any(), "a poisoned output element was not written"
     ref = ref_attention(q, k_cache, v_cache, table, lens, [1] * len(lens), d**-0.5)
     assert rel_err(out, ref) < TOL[dtype], f"seed {seed}: {rel_err(out, ref):.2e}"
@@ -134,7 +136,9 @@ def check_prefill(gen, seed, shapes, heads, kvh, d, bs, dtype, tol):
     out = torch.full_like(q, POISON)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    ta.paged_prefill_attention(q, k_cache, v_cache, table, cu, seq_lens, d**-0.5, out=out)
+    prefill_attention.paged_prefill_attention(
+        q, k_cache, v_cache, table, cu, seq_lens, d**-0.5, out=out
+    )
     assert not torch.isnan(out).any(), "a poisoned output element was not written"
     ref = ref_attention(q, k_cache, v_cache, table, lens, q_lens, d**-0.5)
     assert rel_err(out, ref) < tol, f"seed {seed}: {rel_err(out, ref):.2e}"
@@ -177,7 +181,7 @@ def test_store_kv_into_8_bit_caches_has_torchs_bits(kv, dtype):
     value = torch.randn(n, kvh, d, generator=gen).to(dtype) * 40
     slots = torch.randperm(nb * bs, generator=gen)[:n]
     slots[4] = -1
-    ta.store_kv(key, value, k_cache, v_cache, slots)
+    kv_store.store_kv(key, value, k_cache, v_cache, slots)
     keep = slots >= 0
     for ref, cache, x in ((k_ref, k_cache, key), (v_ref, v_cache, value)):
         inv = kv_quant.scales_of(cache)[1]
@@ -192,7 +196,7 @@ def test_store_kv_into_8_bit_caches_has_torchs_bits(kv, dtype):
 def test_attention_over_8_bit_caches(kv, dtype, monkeypatch):
     """Decode and prefill over 8-bit caches against float64 attention over their dequantized
     values (the scales are powers of two: reading them in the queries' dtype is exact)."""
-    monkeypatch.setattr(ta, "DECODE_PARTITION", 32)
+    monkeypatch.setattr(decode_attention, "DECODE_PARTITION", 32)
     gen, seed = fresh_generator()
     heads, kvh, d, bs = CASES[1]
     shapes = [(0, 19), (2 * bs + 3, 7), (bs - 1, 1)]
@@ -204,11 +208,13 @@ def test_attention_over_8_bit_caches(kv, dtype, monkeypatch):
     q_lens = [n for _, n in shapes]
     q = torch.randn(sum(q_lens), heads, d, generator=gen).to(dtype)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    out = ta.paged_prefill_attention(q, k_cache, v_cache, table, cu, seq_lens, d**-0.5)
+    out = prefill_attention.paged_prefill_attention(
+        q, k_cache, v_cache, table, cu, seq_lens, d**-0.5
+    )
     ref = ref_attention(q, k64, v64, table, lens, q_lens, d**-0.5)
     assert rel_err(out, ref) < TOL[dtype], f"prefill, seed {seed}: {rel_err(out, ref):.2e}"
     qd = torch.randn(len(lens), heads, d, generator=gen).to(dtype)
-    out = ta.paged_decode_attention(qd, k_cache, v_cache, table, seq_lens, d**-0.5)
+    out = decode_attention.paged_decode_attention(qd, k_cache, v_cache, table, seq_lens, d**-0.5)
     ref = ref_attention(qd, k64, v64, table, lens, [1] * len(lens), d**-0.5)
     assert rel_err(out, ref) < TOL[dtype], f"decode, seed {seed}: {rel_err(out, ref):.2e}"
 
@@ -247,7 +253,9 @@ def test_tiled_prefill_does_not_depend_on_chunking(group):
     def run(start: int, end: int) -> torch.Tensor:
         cu = torch.tensor([0, end - start], dtype=torch.int32)
         sl = torch.tensor([end], dtype=torch.int32)
-        return ta.paged_prefill_attention(q[start:end], k_cache, v_cache, table, cu, sl, 0.17)
+        return prefill_attention.paged_prefill_attention(
+            q[start:end], k_cache, v_cache, table, cu, sl, 0.17
+        )
 
     whole = run(0, n)
     for cuts in ([0, 70, 150], [0, 1, 33, 97, 150], [0, 149, 150]):
@@ -261,18 +269,20 @@ def test_wrappers_check_their_inputs():
     table = torch.zeros(2, 2, dtype=torch.int32)
     lens = torch.tensor([3, 5], dtype=torch.int32)
     with pytest.raises(ValueError, match="block_size"):
-        ta.paged_decode_attention(q, torch.zeros(4, 8, 2, 32), torch.zeros(4, 8, 2, 32),
-                                  table, lens, 1.0)  # fmt: skip
+        small = torch.zeros(4, 8, 2, 32)
+        decode_attention.paged_decode_attention(q, small, small.clone(), table, lens, 1.0)
     with pytest.raises(ValueError, match="num_heads a multiple"):
-        ta.paged_decode_attention(torch.zeros(2, 3, 32), k, k.clone(), table, lens, 1.0)
+        decode_attention.paged_decode_attention(
+            torch.zeros(2, 3, 32), k, k.clone(), table, lens, 1.0
+        )
     with pytest.raises(ValueError, match="q is"):
-        ta.paged_decode_attention(q.half(), k, k.clone(), table, lens, 1.0)
+        decode_attention.paged_decode_attention(q.half(), k, k.clone(), table, lens, 1.0)
     with pytest.raises(ValueError, match="int32/int64"):
-        ta.paged_decode_attention(q, k, k.clone(), table.float(), lens, 1.0)
+        decode_attention.paged_decode_attention(q, k, k.clone(), table.float(), lens, 1.0)
     with pytest.raises(ValueError, match="cu_seqlens_q"):
-        ta.paged_prefill_attention(q, k, k.clone(), table, lens, lens, 1.0)
+        prefill_attention.paged_prefill_attention(q, k, k.clone(), table, lens, lens, 1.0)
     with pytest.raises(ValueError, match="slot per token"):
-        ta.store_kv(torch.zeros(3, 2, 32), torch.zeros(3, 2, 32), k, k.clone(), lens)
+        kv_store.store_kv(torch.zeros(3, 2, 32), torch.zeros(3, 2, 32), k, k.clone(), lens)
 
 
 @pytest.mark.parametrize("kv_dtype", [None, "int8", "fp8"])
@@ -285,7 +295,7 @@ def test_engine_with_the_triton_backend_matches_the_torch_backend(tiny_model_dir
     prompts = [list(range(100, 137)), list(range(300, 309))]
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     outs = {}
-    before = dict(ta.LAUNCHES)
+    before = dict(common.LAUNCHES)
     for backend in ("torch", "triton"):
         llm = LLM(
             tiny_model_dir,
@@ -302,7 +312,7 @@ def test_engine_with_the_triton_backend_matches_the_torch_backend(tiny_model_dir
         outs[backend] = reqs
     # the kernels really ran: one store and attention launch per layer and step
     layers = llm.engine.model_config.num_layers
-    ran = {k: ta.LAUNCHES[k] - before.get(k, 0) for k in ta.LAUNCHES}
+    ran = {k: common.LAUNCHES[k] - before.get(k, 0) for k in common.LAUNCHES}
     assert ran["store_kv"] >= 4 * layers
     assert ran["paged_prefill_attention"] >= layers
     assert ran["paged_decode_attention"] >= 3 * layers
@@ -324,12 +334,12 @@ def test_small_heads_are_padded_to_what_the_gpu_compiler_accepts():
     q = torch.randn(2, heads, d, generator=gen).half()
     out = torch.full_like(q, POISON)
     sl = torch.tensor(lens, dtype=torch.int32)
-    ta.paged_decode_attention(q, k_cache, v_cache, table, sl, d**-0.5, out=out)
+    decode_attention.paged_decode_attention(q, k_cache, v_cache, table, sl, d**-0.5, out=out)
     ref = ref_attention(q, k_cache, v_cache, table, lens, [1, 1], d**-0.5)
     assert rel_err(out, ref) < TOL[torch.float16]
     with pytest.raises(ValueError, match="block_size must be a power of two >= 16"):
         small = torch.zeros(6, 8, kvh, d).half()
-        ta.paged_decode_attention(q, small, small.clone(), table, sl, 1.0)
+        decode_attention.paged_decode_attention(q, small, small.clone(), table, sl, 1.0)
 
 
 def test_gpu_bench_dry_run_starts(tmp_path):
@@ -382,3 +392,49 @@ def test_the_cuda_ops_table_matches_the_cpu_one(tiny_model_dir):
         outs.append(torch.cat([first, second]))
     assert rel_err(outs[0], outs[2]) < 1e-5
     assert rel_err(outs[1], outs[2]) < 1e-5
+
+
+def test_decode_work_follows_the_context_not_the_tables_width(monkeypatch):
+    """A decode step over block tables much wider than its contexts (a captured graph's full
+    width): the partitions past each context store nothing and the merge reads none of them;
+    eagerly, the grid holds the step's longest context only."""
+    monkeypatch.setattr(decode_attention, "DECODE_PARTITION", 32)
+    gen, seed = fresh_generator()
+    heads, kvh, d, bs = CASES[0]
+    lens = [21, 40]
+    nb = 8
+    k_cache, v_cache = make_cache(gen, nb, bs, kvh, d, torch.float32)
+    table = torch.zeros(2, 64, dtype=torch.int32)  # 1,024 slots a row
+    table[:, :3] = shuffled_tables(gen, lens, bs, nb)[:, :3]
+    sl = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(2, heads, d, generator=gen)
+    out, (part, merge) = decode_attention.decode_launches(q, k_cache, v_cache, table, sl, 0.2)
+    assert part.grid == (2, kvh, 32)  # the tables' width: 1,024 keys in partitions of 32
+    part_out, part_m, part_l = part.args[7:10]
+    for t in (part_out, part_m, part_l):
+        t.fill_(POISON)
+    part()
+    merge()
+    for s, n in enumerate(lens):
+        used = -(-n // 32)
+        assert not torch.isnan(part_m[s, :, :used]).any()
+        assert torch.isnan(part_m[s, :, used:]).all(), "a partition past the context was stored"
+        assert torch.isnan(part_out[s, :, used:]).all()
+    ref = ref_attention(q, k_cache, v_cache, table, lens, [1, 1], 0.2)
+    assert rel_err(out, ref) < 1e-5, f"seed {seed}"
+    _, (eager, _) = decode_attention.decode_launches(
+        q, k_cache, v_cache, table, sl, 0.2, max_seq_len=max(lens)
+    )
+    assert eager.grid == (2, kvh, 2)
+
+
+def test_a_padding_rows_decode_attention_is_zero():
+    """A context of 0 (a captured graph's padding row) attends nothing: zeros, never 0 / 0."""
+    heads, kvh, d, bs = CASES[0]
+    k_cache, v_cache = make_cache(torch.Generator().manual_seed(0), 4, bs, kvh, d, torch.float32)
+    q = torch.randn(2, heads, d)
+    out = decode_attention.paged_decode_attention(
+        q, k_cache, v_cache, torch.zeros(2, 4, dtype=torch.int32),
+        torch.tensor([0, 5], dtype=torch.int32), 0.2,
+    )  # fmt: skip
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and not torch.isnan(out).any()

@@ -117,7 +117,13 @@ def test_the_page_asks_streams_cancels_and_shows_what_the_cache_saved(
     share = round(100 * cached / prompt)
     assert f"{cached:,} cached ({share}%" in answer.text
     assert "TTFT" in answer.text and "TPOT" in answer.text and "the cache saved" in answer.text
+    assert "(estimated)" in answer.text  # how the saving was obtained: the cost model
     assert len(seen) > 2  # it grew token by token before the answer was whole
+    # the manual's ledger in the list, refreshed after each answer (a read of the rebuilt
+    # list is one poll)
+    ledger = "#manual-list li.selected .ledger"
+    _wait(d, lambda d: d.find_element(*_by(ledger)).text.startswith("2 answers"))
+    assert "prompt tokens reused" in _wait(d, lambda d: d.find_element(*_by(ledger)).text)
     # the same question computed cold, beside it
     answer.find_element(*_by(".compare-button")).click()
     _wait(d, lambda d: answer.find_elements(*_by(".compare[data-cold-ttft]")))

@@ -62,9 +62,11 @@ def _question(text: str) -> str:
     return text
 
 
-def _job(qa: QAService, tenant: str, data, manual, question, history, conversation_id) -> Job:
+def _job(
+    qa: QAService, tenant: str, data, manual, manual_id, question, history, conversation_id
+) -> Job:
     """A question's job: its sampling (``data``'s answer options), its prompt after ``history``
-    (earlier turns), the tenant's cache namespace."""
+    (earlier turns), the tenant's cache namespace, the manual whose ledger it adds to."""
     qa.runner.require_ready()
     params = qa.params(data.max_tokens, data.temperature, data.top_p, data.seed, data.ignore_eos)
     built = qa.build(manual, question, history, params.max_tokens)
@@ -78,6 +80,7 @@ def _job(qa: QAService, tenant: str, data, manual, question, history, conversati
         conversation_id=conversation_id,
         tenant=tenant,
         warnings=list(built.warnings),
+        manual_id=manual_id,
     )
 
 
@@ -199,7 +202,7 @@ class ConversationController(Controller):
                 raise NotFound("conversation", conversation_id)
             conv, manual = row
             msgs = await _messages(s, conv.id)
-        job = _job(qa, tenant, data, manual, question, qa.history(msgs), conv.id)
+        job = _job(qa, tenant, data, manual, conv.manual_id, question, qa.history(msgs), conv.id)
         return await _respond(qa, job, data.stream, request)
 
 
@@ -218,7 +221,7 @@ class AskController(Controller):
     ) -> Answer | Response:
         question = _question(data.question)
         manual = await qa.prompt_manual(tenant, data.manual_id)
-        job = _job(qa, tenant, data, manual, question, (), None)
+        job = _job(qa, tenant, data, manual, data.manual_id, question, (), None)
         return await _respond(qa, job, data.stream, request)
 
 

@@ -151,7 +151,7 @@ def _engine_failure(_req: Request, exc: StepFailure) -> Response:
 
 
 def _internal(request: Request, exc: Exception) -> Response:
-    if isinstance(exc, ConnectionRefusedError | TimeoutError):
+    if isinstance(exc, ConnectionError | TimeoutError):  # refused, reset: the database going
         return _database(request, exc)
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(500, "internal_error", "internal error; see the server log")

@@ -22,6 +22,7 @@ from litestar.openapi.spec import (
 from sqlalchemy import delete as sa_delete
 from sqlalchemy import select
 
+from app.answer import Ledger
 from app.api.errors import ApiError
 from app.api.schemas import (
     MAX_TITLE_CHARS,
@@ -96,6 +97,16 @@ def manual_out(m: Manual, detail: bool = False) -> ManualOut:
         sha256=m.sha256,
         source_type=m.source_type,
         created_at=m.created_at,
+        ledger=Ledger(
+            answers=m.answers or 0,
+            prompt_tokens=m.answered_prompt_tokens or 0,
+            cached_tokens=m.cached_tokens or 0,
+            cached_tokens_by_tier={
+                "device": (m.cached_tokens or 0) - (m.cached_tokens_redis or 0),
+                "redis": m.cached_tokens_redis or 0,
+            },
+            ttft_saved_ms=round(m.ttft_saved_ms or 0.0, 1),
+        ),
     )
     return ManualDetail(**fields, text=m.content) if detail else ManualOut(**fields)
 

@@ -113,6 +113,7 @@ class OpenAIController(Controller):
             question=msgs[-1][1],
             tenant=tenant,
             warnings=warnings,
+            manual_id=data.manual_id or None,
         )
         relayed = await forwarded(qa, job, request)
         if relayed is not None:

@@ -9,6 +9,8 @@ import msgspec
 from litestar.params import Parameter
 from msgspec import Meta, Struct
 
+from app.answer import Ledger
+
 MAX_TITLE_CHARS = 512
 MAX_QUESTION_CHARS = 20_000
 MAX_PAGE = 1000  # items a list returns at most
@@ -34,6 +36,14 @@ class ManualOut(Struct):
     sha256: Annotated[str, Meta(description="sha256 of the manual's extracted text")]
     source_type: str
     created_at: datetime
+    ledger: Annotated[
+        Ledger,
+        Meta(
+            description="what the cache saved answering about this manual: answers, their "
+            "prompt tokens, of those the ones reused from the cache (by tier), and the TTFT "
+            "the cache saved them in total (each answer's ttft_saved_ms)"
+        ),
+    ]
 
 
 class ManualDetail(ManualOut):
@@ -86,7 +96,7 @@ class MessageOut(Struct):
     created_at: datetime
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
-    timings: dict[str, float] | None = None
+    timings: dict[str, float | str] | None = None
     warnings: list[str] = msgspec.field(default_factory=list)
 
 

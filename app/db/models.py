@@ -7,7 +7,7 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from app.db.types import TokenIds, UTCDateTime
@@ -39,6 +39,13 @@ class Manual(Base):
     token_count: Mapped[int] = mapped_column(Integer)
     tokenizer_fingerprint: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # the ledger of what the cache saved answering about this manual, added to by every
+    # answer in the transaction that stores it (QAService.record_ledger)
+    answers: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    answered_prompt_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    cached_tokens_redis: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    ttft_saved_ms: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
 
     conversations: Mapped[list[Conversation]] = relationship(
         back_populates="manual", cascade="all, delete-orphan", passive_deletes=True

@@ -58,6 +58,9 @@ function describe(e) {
 
 const fmt = (n) => (typeof n === "number" ? n.toLocaleString("en-US") : String(n));
 const ms = (n) => `${fmt(Math.round(n))} ms`;
+const seconds = (n) => (n >= 10000 ? `${fmt(Math.round(n / 1000))} s` : `${(n / 1000).toFixed(1)} s`);
+// how an answer's ttft_saved_ms was obtained (docs/interfaces.md)
+const SAVED_BASIS = { estimate: "estimated", cold_run: "capped by a measured cold run", none: "nothing cached" };
 
 function el(tag, attrs = {}, ...children) {
   const node = document.createElement(tag);
@@ -96,12 +99,20 @@ async function loadManuals() {
   const list = $("manual-list");
   list.replaceChildren();
   for (const m of items) {
+    const g = m.ledger;
     const li = el(
       "li",
       { "data-manual-id": m.id, class: state.manual?.id === m.id ? "selected" : "" },
       el("span", { class: "title", title: m.title, textContent: m.title }),
       el("span", { class: "tokens", textContent: `${fmt(m.tokens)} tokens` }),
       el("button", { type: "button", class: "delete", textContent: "Delete" }),
+      el("div", {
+        class: "ledger",
+        title: "every answer about this manual: prompt tokens reused from the cache, and the TTFT that saved",
+        textContent:
+          `${fmt(g.answers)} answers · ${fmt(g.cached_tokens)} of ${fmt(g.prompt_tokens)} ` +
+          `prompt tokens reused · saved ${seconds(g.ttft_saved_ms)}`,
+      }),
     );
     li.querySelector(".title").addEventListener("click", () => selectManual(m));
     li.querySelector(".delete").addEventListener("click", () => deleteManual(m));
@@ -243,8 +254,9 @@ function showMetrics(li, a, live = true) {
   const timing = el("div", {
     class: "timings",
     textContent:
-      `TTFT ${ms(t.ttft_ms)} · the cache saved ${ms(t.ttft_saved_ms)} · ` +
-      `TPOT ${t.tpot_ms.toFixed(1)} ms`,
+      `TTFT ${ms(t.ttft_ms)} · the cache saved ${ms(t.ttft_saved_ms)}` +
+      (t.ttft_saved_basis ? ` (${SAVED_BASIS[t.ttft_saved_basis] || t.ttft_saved_basis})` : "") +
+      ` · TPOT ${t.tpot_ms.toFixed(1)} ms`,
   });
   const meta = li.querySelector(".meta");
   meta.replaceChildren(bar, usage, timing);
@@ -318,6 +330,7 @@ async function ask(question) {
       answer: (data) => {
         li.querySelector(".text").textContent = data.answer;
         showMetrics(li, data);
+        loadManuals(); // the manual's ledger now holds this answer
       },
       error: (data) => {
         li.querySelector(".meta").append(el("div", { class: "error", textContent: data.error.message }));

@@ -3,7 +3,8 @@
 - ``TorchBackend``: the reference (``attention/reference.py``), any device.
 - ``CPUBackend``: the compiled CPU kernels (``kernels/cpu/attention.py``), with the plan of each
   step's work groups built once and read by every layer.
-- ``TritonBackend``: the Triton kernels (``kernels/triton/paged_attention.py``).
+- ``TritonBackend``: the Triton kernels (``kernels/triton``: ``kv_store``,
+  ``decode_attention``, ``prefill_attention``).
 
 Which one runs is the runner's choice (``inference.runner``), made once at start.
 """
@@ -17,6 +18,7 @@ import torch
 
 from inference.attention.metadata import AttentionMetadata
 from inference.attention.reference import paged_attention_reference, store_kv_reference
+from inference.device import capturing_graph
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
@@ -241,24 +243,28 @@ class CPUBackend(TorchBackend):
 class TritonBackend:
     """The Triton kernels: decode tokens through ``paged_decode_attention``, prompt chunks
     through ``paged_prefill_attention``, each on its own rows, so a decode token's result does
-    not depend on whether prompt chunks share its step."""
+    not depend on whether prompt chunks share its step. A step's index tensors are built on
+    the host and copied without waiting for the device (``meta.to_device``)."""
 
     name = "triton"
     plain_store = False  # the store is one of the kernels (store_kv): always called
 
     def __init__(self):
-        from inference.kernels.triton import paged_attention
+        from inference.kernels.triton import decode_attention, kv_store, prefill_attention
 
-        self.k = paged_attention
+        self.decode = decode_attention.paged_decode_attention
+        self.prefill = prefill_attention.paged_prefill_attention
+        self._store = kv_store.store_kv
 
     def store_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
-        self.k.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        self._store(key, value, k_cache, v_cache, meta.slot_mapping)
 
     def _split(self, meta: AttentionMetadata, device):
+        """The step's decode rows and prompt chunks apart, as index tensors (once a step)."""
         plan = meta.scratch.get("triton")
         if plan is not None:
             return plan
-        dec_rows, dec_seqs, pre_rows, pre_seqs, cu, max_q = [], [], [], [], [0], 0
+        dec_rows, dec_seqs, pre_rows, pre_seqs, cu = [], [], [], [], [0]
         start = 0
         for i, (ql, dec) in enumerate(zip(meta.query_lens_list, meta.is_decode_list, strict=True)):
             if dec:
@@ -268,23 +274,18 @@ class TritonBackend:
                 pre_rows.extend(range(start, start + ql))
                 pre_seqs.append(i)
                 cu.append(cu[-1] + ql)
-                max_q = max(max_q, ql)
             start += ql
-
-        def t(x):
-            return torch.tensor(x, dtype=torch.int64, device=device)
-
         bt, sl = meta.block_tables, meta.seq_lens
-        plan = {
-            "dec_rows": t(dec_rows),
-            "dec_tables": bt[t(dec_seqs)].contiguous() if dec_seqs else None,
-            "dec_lens": sl[t(dec_seqs)].contiguous() if dec_seqs else None,
-            "pre_rows": t(pre_rows),
-            "pre_tables": bt[t(pre_seqs)].contiguous() if pre_seqs else None,
-            "pre_lens": sl[t(pre_seqs)].contiguous() if pre_seqs else None,
-            "cu": torch.tensor(cu, dtype=torch.int32, device=device),
-            "max_q": max_q,
-        }
+        plan = {"dec": None, "pre": None}
+        if dec_seqs:
+            rows, seqs = meta.to_device(dec_rows), meta.to_device(dec_seqs)
+            ctx = max(meta.seq_lens_list[i] for i in dec_seqs)
+            plan["dec"] = (rows, bt.index_select(0, seqs), sl.index_select(0, seqs), ctx)
+        if pre_seqs:
+            rows, seqs = meta.to_device(pre_rows), meta.to_device(pre_seqs)
+            cu_t = meta.to_device(cu, torch.int32)
+            max_q = max(meta.query_lens_list[i] for i in pre_seqs)
+            plan["pre"] = (rows, bt.index_select(0, seqs), cu_t, sl.index_select(0, seqs), max_q)
         meta.scratch["triton"] = plan
         return plan
 
@@ -293,32 +294,25 @@ class TritonBackend:
         if decode_only is None:  # once per step, for every layer
             decode_only = meta.scratch["decode-only"] = all(meta.is_decode_list)
         if decode_only:  # one token a sequence, in order: the step's own tensors
-            # (no tensor made from host lists, so a CUDA graph can capture the step)
-            return self.k.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale
+            # (no tensor made from host lists, so a CUDA graph can capture the step; a
+            # captured grid holds the tables' whole width, an eager one the step's contexts)
+            ctx = None if capturing_graph(q) else max(meta.seq_lens_list, default=0)
+            return self.decode(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, max_seq_len=ctx
             )
         p = self._split(meta, q.device)
         out = torch.empty_like(q)
-        if p["dec_tables"] is not None:
-            o = self.k.paged_decode_attention(
-                q.index_select(0, p["dec_rows"]),
-                k_cache,
-                v_cache,
-                p["dec_tables"],
-                p["dec_lens"],
-                scale,
+        if p["dec"] is not None:
+            rows, tables, lens, ctx = p["dec"]
+            o = self.decode(
+                q.index_select(0, rows), k_cache, v_cache, tables, lens, scale, max_seq_len=ctx
             )
-            out.index_copy_(0, p["dec_rows"], o)
-        if p["pre_tables"] is not None:
-            o = self.k.paged_prefill_attention(
-                q.index_select(0, p["pre_rows"]),
-                k_cache,
-                v_cache,
-                p["pre_tables"],
-                p["cu"],
-                p["pre_lens"],
-                scale,
-                max_query_len=p["max_q"],
-            )
-            out.index_copy_(0, p["pre_rows"], o)
+            out.index_copy_(0, rows, o)
+        if p["pre"] is not None:
+            rows, tables, cu, lens, max_q = p["pre"]
+            o = self.prefill(
+                q.index_select(0, rows), k_cache, v_cache, tables, cu, lens, scale,
+                max_query_len=max_q,
+            )  # fmt: skip
+            out.index_copy_(0, rows, o)
         return out

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inference.device import tensor_from_host
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -36,12 +38,26 @@ class AttentionMetadata:
     query_lens_list: list[int]
     num_blocks_list: list[int]
     is_decode_list: list[bool]  # True: the sequence's one new token is a decode token
+    # the block tables on the host (a CPU tensor; ``block_tables`` itself on the CPU), so
+    # plans built from them never wait for the device
+    block_tables_host: torch.Tensor | None = None
     # per-step index work shared by all layers (decode gather rows per sequence)
     scratch: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_list)
+
+    def host_block_tables(self) -> torch.Tensor:
+        """The block tables as a CPU tensor (no device sync where the runner kept a copy)."""
+        if self.block_tables_host is not None:
+            return self.block_tables_host
+        return self.block_tables.cpu()
+
+    def to_device(self, values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """A host list as a tensor on the step's device, without waiting for the device
+        (``device.tensor_from_host``)."""
+        return tensor_from_host(values, dtype, self.slot_mapping.device)
 
     @classmethod
     def build(
@@ -66,15 +82,15 @@ class AttentionMetadata:
         cu = [0]
         for ql in query_lens:
             cu.append(cu[-1] + ql)
+        host_tables = torch.tensor(padded, dtype=torch.int32).reshape(len(block_tables), max_blocks)
         return cls(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(
-                len(block_tables), max_blocks
-            ),
+            block_tables=host_tables.to(device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
             seq_lens_list=list(seq_lens),
             query_lens_list=list(query_lens),
             num_blocks_list=[-(-sl // block_size) for sl in seq_lens],
             is_decode_list=list(is_decode) if is_decode is not None else [False] * len(seq_lens),
+            block_tables_host=host_tables,
         )

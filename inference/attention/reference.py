@@ -113,6 +113,7 @@ def _tile_plan(
     slab = max(1, DECODE_SLAB // group) if decode else PREFILL_SLAB
     groups: dict[tuple, list[int]] = {}  # (tile index, blocks) -> token numbers
     rows, pos, tiles_of = [], [], []
+    host_tables = meta.host_block_tables()
     start = 0
     for i, (sl, ql, dec) in enumerate(
         zip(meta.seq_lens_list, meta.query_lens_list, meta.is_decode_list, strict=True)
@@ -120,7 +121,7 @@ def _tile_plan(
         if dec != decode or sl == 0:  # another family, or a padding row (attends nothing)
             start += ql
             continue
-        table = meta.block_tables[i].tolist()
+        table = host_tables[i].tolist()
         nblk = -(-sl // block_size)
         tile_ids = [
             tuple(table[t * per_tile : min((t + 1) * per_tile, nblk)])

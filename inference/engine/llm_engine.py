@@ -15,11 +15,13 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import torch
+import xxhash
 
 from inference.config import EngineConfig
 from inference.engine.holds import PinTable
-from inference.engine.sampler import SamplingParams
+from inference.engine.sampling_params import SamplingParams
 from inference.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from inference.engine.sequence import Request
 from inference.engine.tier_io import TierIO
@@ -28,7 +30,7 @@ from inference.kv_sizing import KVCacheSpec
 from inference.metrics import PrefillCostModel, RequestMetrics
 from inference.model.loader import model_fingerprint
 from inference.model.tokenizer import TextTokenizer
-from inference.runner import RunnerOutput, make_runner
+from inference.runner import ModelRunner, RunnerOutput, make_runner
 from prefix_store import KVCacheManager, RedisTier
 
 log = logging.getLogger("docqa.engine")
@@ -45,14 +47,16 @@ class StepFailure(DocqaError):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):
+        """``runner``: one the caller built for ``config`` (the tests run the CUDA runner on
+        CPU tensors under Triton's interpreter); by default the device's (``make_runner``)."""
         self.config = config
         self.model_dir = model_dir = Path(config.model_dir)
         if not (model_dir / "config.json").is_file():
             raise ModelError(f"no model at {model_dir} (expected a directory with config.json)")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.runner = runner = make_runner(config)
+        self.runner = runner = runner or make_runner(config)
         self.tokenizer = TextTokenizer(model_dir)
         self.model_config = runner.model_config
         self.max_model_len = runner.max_model_len
@@ -85,7 +89,7 @@ class LLMEngine:
                 self.kv_spec.bytes_per_block,
             )
             self.tier_io = TierIO(tier, self.kv_manager, runner)
-        self.cost_model = PrefillCostModel()
+        self.cost_model = PrefillCostModel(config.max_num_batched_tokens)
         self.eos_token_ids = self._eos_token_ids()
         self.requests: dict[str, Request] = {}
         # counters (the metrics of docs: prompt tokens computed, output tokens, steps)
@@ -96,6 +100,8 @@ class LLMEngine:
         # the last step, for metrics: (sequences, prefill tokens, decode tokens, seconds in the
         # model); None after a step that ran no batch
         self.last_step: tuple[int, int, int, float] | None = None
+        for chunks, seconds in runner.prefill_samples:  # timed at start: fitted already
+            self.cost_model.observe(chunks, seconds)
 
     def _eos_token_ids(self) -> frozenset[int]:
         eos = set(self.model_config.eos_token_ids)
@@ -294,6 +300,9 @@ class LLMEngine:
         self.generation_tokens += 1
         if req.times.first_token is None:
             req.times.first_token = now
+            if req.num_cached_tokens == 0:  # a cold prefill: its TTFT bounds later estimates
+                ttft_ms = (now - req.times.arrival) * 1000
+                self.cost_model.record_cold(self.prompt_digest(req), ttft_ms)
         reason = None
         if tok in req.eos_token_ids and not req.params.ignore_eos:
             reason = "stop"
@@ -307,12 +316,23 @@ class LLMEngine:
         return reason is not None
 
     # -- reporting ----------------------------------------------------------------------------
+    @staticmethod
+    def prompt_digest(req: Request) -> bytes:
+        """What identifies a request's prompt for the cost model's measured cold runs: its
+        namespace and token ids, hashed."""
+        h = xxhash.xxh3_128(req.namespace)
+        h.update(np.asarray(req.prompt_token_ids, dtype=np.int32).tobytes())
+        return h.digest()
+
     def request_metrics(self, req: Request) -> RequestMetrics:
         t = req.times
         end = t.finished or time.perf_counter()
         first = t.first_token or end
         n_out = len(req.output_token_ids)
         decode_ms = (end - first) * 1000 if t.first_token else 0.0
+        cached = max(req.num_cached_tokens, 0)
+        digest = self.prompt_digest(req) if cached else None
+        saved_ms, basis = self.cost_model.saved(req.num_prompt_tokens, cached, digest)
         return RequestMetrics(
             queue_ms=((t.first_scheduled or end) - t.arrival) * 1000,
             ttft_ms=(first - t.arrival) * 1000,
@@ -320,7 +340,6 @@ class LLMEngine:
             decode_ms=decode_ms,
             tpot_ms=decode_ms / (n_out - 1) if n_out > 1 else 0.0,
             e2e_ms=(end - t.arrival) * 1000,
-            ttft_saved_ms=self.cost_model.saved_ms(
-                req.num_prompt_tokens, max(req.num_cached_tokens, 0)
-            ),
+            ttft_saved_ms=saved_ms,
+            ttft_saved_basis=basis,
         )

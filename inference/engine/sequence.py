@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from inference.engine.sampler import SamplingParams
+from inference.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

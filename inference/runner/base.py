@@ -22,9 +22,10 @@ from inference import kv_quant
 from inference.attention.backends import BACKENDS
 from inference.attention.metadata import AttentionMetadata
 from inference.config import EngineConfig
-from inference.device import resolve_dtype
+from inference.device import peak_memory_during, resolve_dtype
 from inference.engine.sampler import Sampler, torch_argmax
 from inference.engine.scheduler import SchedulerOutput
+from inference.kv_planner import ModelShape
 from inference.kv_quant import KVScales
 from inference.kv_sizing import KVCacheSpec, size_kv_cache
 from inference.model.config import ModelConfig, dtype_name, parse_dtype
@@ -64,10 +65,46 @@ def calibration_ids(model_dir, vocab_size: int, max_len: int) -> list[int]:
     # a prompt starts with its template's first special token: the first position's K/V are
     # often the largest a model writes
     first = [t for t in map(tok.special_id, _PROMPT_STARTS) if t is not None][:1]
-    return (first + tok.encode(kv_quant.CALIBRATION_TEXT))[:max_len]
+    ids = first + tok.encode(kv_quant.CALIBRATION_TEXT)
+    return [t for t in ids if t < vocab_size][:max_len]  # a tokenizer wider than the model
 
 
 _PROMPT_STARTS = ("<|im_start|>", "<|begin_of_text|>", "<s>")
+
+
+class ActivationReserve(NamedTuple):
+    """Memory kept out of the KV pool for a step's activations: measured by warm-up steps at
+    the largest sizes the scheduler makes (``ModelRunner.profile_reserve``), beside what
+    ``docqa kv-budget`` plans for them."""
+
+    prefill_bytes: int | None  # the warm-up prompt chunk's peak above the weights (None: no
+    decode_bytes: int | None  # measure here); the warm-up decode step's
+    planned_bytes: int  # kv_planner's runtime reserve for the same step sizes
+    prefill_tokens: int  # the warm-up prompt chunk's tokens
+    decode_seqs: int  # the warm-up decode step's sequences
+    decode_context: int  # and the keys each of them attended
+
+    @property
+    def measured_bytes(self) -> int | None:
+        """The larger of the two steps' peaks (one step runs at a time)."""
+        if self.prefill_bytes is None or self.decode_bytes is None:
+            return None
+        return max(self.prefill_bytes, self.decode_bytes)
+
+    def log_line(self) -> str:
+        if self.measured_bytes is None:
+            measured = "not measured here"
+        else:
+            measured = (
+                f"{self.measured_bytes / 2**20:.0f} MiB measured (a prompt chunk of "
+                f"{self.prefill_tokens} tokens: {self.prefill_bytes / 2**20:.0f} MiB; a decode "
+                f"step of {self.decode_seqs} sequences at {self.decode_context} keys: "
+                f"{self.decode_bytes / 2**20:.0f} MiB)"
+            )
+        return (
+            f"activation reserve: {measured}, {self.planned_bytes / 2**20:.0f} MiB planned "
+            "(kv-budget's estimate)"
+        )
 
 
 class RunnerOutput(NamedTuple):
@@ -80,7 +117,15 @@ class ModelRunner:
     """One device's model, KV pool, input buffers and sampler (module docstring).
 
     Subclasses provide ``resolve_backend``, ``make_ops``, ``kv_budget_bytes``,
-    ``allocate_cache`` and ``copy_slots``, and may replace ``synchronize`` and ``argmax``."""
+    ``allocate_cache`` and ``copy_slots``, and may replace ``synchronize``, ``argmax`` (a
+    plain function, so the sampler holding it never holds the runner) and
+    ``profile_context``.
+
+    Start-up order: the model, an 8-bit pool's scales, warm-up steps at the largest sizes on
+    a scratch pool (``profile_reserve``: the activations' peak, measured before the pool is
+    sized), then the KV pool from what is left (``kv_budget_bytes``), then the input buffers."""
+
+    argmax = staticmethod(torch_argmax)  # greedy tokens of logits rows [R, vocab] float32
 
     def __init__(self, config: EngineConfig, device: torch.device):
         self.config = config
@@ -127,6 +172,8 @@ class ModelRunner:
                 self.kv_scales.log_range(),
                 time.perf_counter() - t0,
             )
+        self.reserve = self.profile_reserve()
+        log.info(self.reserve.log_line())
         self.kv_spec: KVCacheSpec = size_kv_cache(
             cfg, self.kv_dtype, config.block_size, self.kv_budget_bytes(), max_len
         )
@@ -150,6 +197,108 @@ class ModelRunner:
             device,
         )
         self.sampler = Sampler(self.argmax)
+
+    def scratch_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A small pool of the KV dtype (an 8-bit one with the engine's scales) for warm-up
+        steps before the real pool exists."""
+        cfg, bs = self.model_config, self.config.block_size
+        shape = (num_blocks, bs, cfg.num_kv_heads, cfg.head_dim)
+        caches = [
+            (self.allocate_cache(shape), self.allocate_cache(shape)) for _ in range(cfg.num_layers)
+        ]
+        if self.kv_scales is not None:
+            sc = self.kv_scales
+            for layer, (kc, vc) in enumerate(caches):
+                kv_quant.attach(kc, sc.scale[layer, 0], sc.inv[layer, 0])
+                kv_quant.attach(vc, sc.scale[layer, 1], sc.inv[layer, 1])
+        return caches
+
+    def interpreted(self) -> bool:
+        """Whether the attention kernels run under Triton's interpreter (a GPU's kernels on
+        CPU tensors, for tests): the start-up steps then stay small and nothing is timed."""
+        return self.attention_backend == "triton" and self.device.type == "cpu"
+
+    def profile_context(self) -> int:
+        """Keys each row of the decode warm-up attends: the longest context, where the
+        attention's working memory grows with it (a GPU's decode partitions)."""
+        return self.max_model_len
+
+    @torch.inference_mode()
+    def profile_reserve(self) -> ActivationReserve:
+        """Warm-up steps at the largest sizes the scheduler makes, on a scratch pool, their
+        peak memory measured (``device.peak_memory_during``): a prompt chunk of
+        ``max_num_batched_tokens`` tokens (at most the context), then a decode step of
+        ``max_num_seqs`` sequences at ``profile_context()`` keys each (their slots -1: nothing
+        stored; their tables all block 0), every row's logits computed. Then, with
+        ``calibrate_prefill_cost``, prompt chunks of three sizes timed on the same pool
+        (``prefill_samples``), so the engine's prefill cost model is fitted before its first
+        request: an eighth and half of the token budget, and two whole budgets in two steps,
+        the second over the first."""
+        cfg, bs, config = self.model_config, self.config.block_size, self.config
+        tokens = min(config.max_num_batched_tokens, self.max_model_len)
+        seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
+        ctx = max(1, min(self.profile_context(), self.max_model_len))
+        dev = self.device
+        calibrate = config.calibrate_prefill_cost
+        if self.interpreted():  # kernels run in Python: a token's worth of each, nothing timed
+            tokens, seqs, calibrate = min(tokens, bs), min(seqs, 2), False
+        room = min(2 * tokens, self.max_model_len - 1)
+        caches = self.scratch_caches(-(-room // bs) + 1)
+
+        def prefill(n: int, context: int = 0) -> None:
+            """A chunk of ``n`` tokens after ``context`` ones, into blocks 0, 1, ..."""
+            seq = context + n
+            ids = (
+                torch.arange(context, seq, dtype=torch.int64, device=dev) * 7919
+            ) % cfg.vocab_size
+            meta = AttentionMetadata.build([list(range(-(-seq // bs)))], [seq], [n], bs, dev)
+            last = torch.tensor([n - 1], dtype=torch.int64, device=dev)
+            pos = torch.arange(context, seq, device=dev)
+            self.model.forward(ids, pos, meta, caches, last)
+            self.synchronize()
+
+        def decode() -> None:
+            table = [0] * -(-ctx // bs)
+            meta = AttentionMetadata.build([table] * seqs, [ctx] * seqs, [1] * seqs, bs, dev,
+                                           is_decode=[True] * seqs)  # fmt: skip
+            meta.slot_mapping.fill_(-1)
+            rows = torch.arange(seqs, dtype=torch.int64, device=dev)
+            pos = torch.full((seqs,), ctx - 1, dtype=torch.int64, device=dev)
+            self.model.forward(rows % cfg.vocab_size, pos, meta, caches, rows)
+            self.synchronize()
+
+        prefill_bytes = peak_memory_during(dev, lambda: prefill(tokens))
+        decode_bytes = peak_memory_during(dev, decode)
+        self.prefill_samples = []
+        if calibrate:
+            t0 = time.perf_counter()
+            sizes = [(max(16, tokens // 8), 0), (max(32, tokens // 2), 0), (tokens, 0)]
+            if room >= 2 * tokens:
+                sizes.append((tokens, tokens))
+            for n, context in sizes:
+                n = min(n, room - context)
+                t = time.perf_counter()
+                prefill(n, context)
+                self.prefill_samples.append(([(n, context)], time.perf_counter() - t))
+            log.info(
+                "prefill steps timed at start for the cost model: %s in %.2f s",
+                ", ".join(
+                    f"{n} tokens after {c}: {s * 1000:.0f} ms"
+                    for ((n, c),), s in self.prefill_samples
+                ),  # fmt: skip
+                time.perf_counter() - t0,
+            )
+        shape = ModelShape(
+            num_layers=cfg.num_layers,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            vocab_size=cfg.vocab_size,
+        )
+        planned = shape.runtime_reserve_bytes(self.dtype.itemsize, tokens, seqs)
+        return ActivationReserve(prefill_bytes, decode_bytes, planned, tokens, seqs, ctx)
 
     @torch.inference_mode()
     def calibrate_kv_amax(self) -> torch.Tensor:
@@ -217,10 +366,6 @@ class ModelRunner:
 
     def synchronize(self) -> None:
         """Wait for the device's queued work."""
-
-    def argmax(self, logits: torch.Tensor) -> list[int]:
-        """Greedy tokens of logits rows [R, vocab] float32."""
-        return torch_argmax(logits)
 
     # -- the step ------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -82,7 +82,7 @@ def prefault_pool(tensors: list[torch.Tensor]) -> threading.Thread | None:
     return thread
 
 
-def fused_rotary_store(qkv, positions, rotary, num_heads, num_kv_heads, meta, k_cache, v_cache):
+def cpu_rotary_store(qkv, positions, rotary, num_heads, num_kv_heads, meta, k_cache, v_cache):
     """Rotary embedding and the K/V store in one pass per token (elementwise.c)."""
     n, d = qkv.shape[0], rotary.cos.shape[1]
     if n:
@@ -119,7 +119,7 @@ def cpu_ops(
     # the fused store writes caches of the compute dtype, and 8-bit ones
     stores = kv_dtype == dtype or kv_quant.is_kv8(kv_dtype)
     if fused and stores and backend.plain_store:
-        rotary = fused_rotary_store
+        rotary = cpu_rotary_store
     attn = backend_name
     if backend_name == "cpu" and attention.decode_attention_library().amx:
         attn += "-amx"
@@ -163,8 +163,12 @@ class CPURunner(ModelRunner):
                 "the cpu attention backend needs its kernel built with a C compiler "
                 "(set CC or install gcc), or DOCQA_CPU_KERNELS=0 was set"
             )
-        if name == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("the triton backend needs a CUDA device (or TRITON_INTERPRET=1)")
+        if name == "triton":
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                raise ValueError("the triton backend needs a CUDA device (or TRITON_INTERPRET=1)")
+            from inference.kernels.triton.common import check_block_size
+
+            check_block_size(self.config.block_size)
         return name
 
     def make_ops(self) -> ModelOps:
@@ -190,5 +194,8 @@ class CPURunner(ModelRunner):
         for base in self._cache_ptrs:
             ctypes.memmove(base + dst * block, base + src * block, n * slot)
 
-    def argmax(self, logits: torch.Tensor) -> list[int]:
-        return elementwise.argmax_rows(logits)
+    argmax = staticmethod(elementwise.argmax_rows)
+
+    def profile_context(self) -> int:
+        """The CPU kernels' working memory does not grow with the context: one block."""
+        return self.config.block_size

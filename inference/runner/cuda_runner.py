@@ -1,33 +1,37 @@
-"""The CUDA runner: the KV pool in device memory sized from what the device has free, torch's
-products and norms, and the Triton attention kernels (``inference/kernels/triton``).
+"""The CUDA runner: the KV pool in device memory sized from what the device has free after the
+weights and the measured activations, the Triton kernels (``inference/kernels/triton``) for
+attention and the element-wise steps, torch's products (or the batch-invariant Triton ones),
+and decode steps replayed from CUDA graphs (``runner/graphs.py``).
 
-This is where a GPU's step work lives: the persistent input buffers are pinned on the host and
-mirrored on the device (``runner/inputs.py``), and the step waits for the device once, after
-the forward pass.
+The persistent input buffers are pinned on the host and mirrored on the device
+(``runner/inputs.py``), and the step waits for the device once, after the forward pass.
+
+On a CPU device (``TRITON_INTERPRET=1``, the tests) the same ops table runs under Triton's
+interpreter: the pool is ``kv_cache_gib`` of host memory and there are no graphs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
+import os
 
 import torch
 
 from inference import kv_quant
 from inference.attention.backends import TorchBackend, TritonBackend
 from inference.engine.scheduler import SchedulerOutput
+from inference.kernels.triton.common import check_block_size
 from inference.model.ops import ModelOps, torch_ops
 from inference.runner.base import ModelRunner
-from inference.runner.graphs import capture_sizes, padded_size
+from inference.runner.graphs import DecodeGraphs
 
 log = logging.getLogger("docqa.engine")
 
-# device memory kept out of the KV pool for activations and the allocator's slack
-_ACTIVATION_RESERVE = 2**30
+_INTERPRETED_KV_GIB = 0.05  # the pool under the interpreter where kv_cache_gib is not given
 
 
-def fused_rotary_store(qkv, positions, rotary, num_heads, num_kv_heads, meta, k_cache, v_cache):
+def triton_rotary_store(qkv, positions, rotary, num_heads, num_kv_heads, meta, k_cache, v_cache):
     """Rotary embedding and the K/V store in one Triton kernel (``kernels/triton/fused.py``)."""
     from inference.kernels.triton import fused
 
@@ -57,7 +61,7 @@ def cuda_ops(device: torch.device, backend_name: str, batch_invariant: bool = Fa
     ops = dataclasses.replace(
         torch_ops(device, TritonBackend()),
         add_rms_norm=invariant.add_rms_norm,
-        rotary_store=fused_rotary_store,
+        rotary_store=triton_rotary_store,
         silu_mul=fused.silu_mul,
         name="cuda|attention=triton|fused",
     )
@@ -73,62 +77,48 @@ def cuda_ops(device: torch.device, backend_name: str, batch_invariant: bool = Fa
 
 class CUDARunner(ModelRunner):
     def __init__(self, config, device: torch.device):
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("the CUDA runner runs on a CPU only under TRITON_INTERPRET=1")
+        if config.cuda_graphs and device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
         super().__init__(config, device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.graph_sizes: list[int] = []
-        self.use_graphs = False  # replay captured decode steps (bench/gpu.py turns it off)
+        self.graphs = DecodeGraphs(self.inputs, device)
+        # how decode steps run: "graphs" (replayed where a captured size holds them),
+        # "eager-padded" (the graphs' padded inputs, run eagerly: bench/gpu.py compares the
+        # two), "eager"
+        self.decode_mode = "eager"
         if config.cuda_graphs:
-            self.capture_graphs()
-
-    def capture_graphs(self) -> None:
-        """A graph per padded decode batch size (``graphs.capture_sizes``), largest first, in
-        one memory pool: each step's inputs are views of the persistent buffers, so a replay
-        reads what ``InputBuffers.prepare`` copied there. Each size runs once eagerly first
-        (the kernels compile outside the capture)."""
-        if self.attention_backend != "triton":
-            raise ValueError("CUDA graphs need the triton attention backend")
-        sizes = capture_sizes(self.config.max_num_seqs)
-        pool = torch.cuda.graph_pool_handle()
-        free0 = torch.cuda.mem_get_info(self.device)[0]
-        t0 = time.perf_counter()
-        empty = SchedulerOutput([], [])
-        for b in reversed(sizes):
-            x = self.inputs.prepare(empty, pad_to=b)  # every row padding: nothing stored
-            args = (x.input_ids, x.positions, x.meta, self.kv_caches, x.logits_indices)
-            self.model.forward(*args)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self.model.forward(*args)
-            self.graphs[b] = (graph, out)
-        torch.cuda.synchronize(self.device)
-        self.graph_sizes = sizes
-        self.use_graphs = True
-        used = free0 - torch.cuda.mem_get_info(self.device)[0]
-        log.info(
-            "CUDA graphs for decode steps of %s sequences: captured in %.1f s, %.0f MiB",
-            ",".join(map(str, sizes)),
-            time.perf_counter() - t0,
-            used / 2**20,
-        )
+            self.graphs.capture(self.model, self.kv_caches, config.max_num_seqs)
+            self.decode_mode = "graphs"
 
     def run_model(self, sched: SchedulerOutput) -> torch.Tensor:
         """A decode step that a captured size holds replays its graph (rows past the step's
         padding); other steps run eagerly."""
-        n = len(sched.chunks)
-        b = padded_size(n, self.graph_sizes) if self.use_graphs else None
-        if b is None or not all(c.is_decode for c in sched.chunks):
+        size = self.graphs.padded(sched) if self.decode_mode != "eager" else None
+        if size is None:
             return super().run_model(sched)
-        self.inputs.prepare(sched, pad_to=b)
-        graph, out = self.graphs[b]
-        graph.replay()
-        return out[:n]
+        if self.decode_mode == "graphs":
+            return self.graphs.replay(sched, size)
+        x = self.inputs.prepare(sched, pad_to=size)
+        logits = self.model.forward(
+            x.input_ids, x.positions, x.meta, self.kv_caches, x.logits_indices
+        )
+        return logits[: len(sched.chunks)]
+
+    def profile_context(self) -> int:
+        """The longest context on a GPU with the Triton kernels (the decode partitions'
+        working memory grows with it); one block under the interpreter, where that would take
+        minutes, and for the torch reference (checks)."""
+        if self.device.type == "cuda" and self.attention_backend == "triton":
+            return self.max_model_len
+        return self.config.block_size
 
     def resolve_backend(self, name: str) -> str:
-        if name == "auto":
-            return "triton"
         if name == "cpu":
             raise ValueError("the cpu attention backend runs on the CPU")
+        name = "triton" if name == "auto" else name
+        if name == "triton":
+            check_block_size(self.config.block_size)
         return name
 
     def make_ops(self) -> ModelOps:
@@ -136,10 +126,22 @@ class CUDARunner(ModelRunner):
 
     def kv_budget_bytes(self) -> int:
         """The share ``gpu_memory_utilization`` of the device's memory, less what is in use
-        (the weights, loaded by now) and a reserve for activations."""
+        (the weights, loaded by now) and the measured activation reserve: the larger warm-up
+        step's peak, or both where decode steps are captured (the graphs' pool holds a decode
+        step's activations apart from the eager steps'). Under the interpreter:
+        ``kv_cache_gib``."""
+        if self.device.type != "cuda":
+            return int((self.config.kv_cache_gib or _INTERPRETED_KV_GIB) * 2**30)
         free, total = torch.cuda.mem_get_info(self.device)
         used = total - free
-        return int(total * self.config.gpu_memory_utilization - used - _ACTIVATION_RESERVE)
+        r = self.reserve
+        if r.measured_bytes is None:
+            reserve = r.planned_bytes
+        elif self.config.cuda_graphs:
+            reserve = r.prefill_bytes + r.decode_bytes
+        else:
+            reserve = r.measured_bytes
+        return int(total * self.config.gpu_memory_utilization - used - reserve)
 
     def allocate_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
@@ -150,4 +152,5 @@ class CUDARunner(ModelRunner):
                 c[dst, :n] = c[src, :n]
 
     def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

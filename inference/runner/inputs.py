@@ -144,6 +144,7 @@ class InputBuffers:
             query_lens_list=q_lens,
             num_blocks_list=[-(-n // bs) for n in lens],
             is_decode_list=decode,
+            block_tables_host=self.block_tables.host[:num_seqs, :width],
         )
         return StepInputs(
             self.input_ids.take(t),

@@ -141,16 +141,43 @@ _CALLS = (
 )
 
 
+def layers_compile_here(dtype: torch.dtype, kv_dtype: torch.dtype, cfg, block_size: int) -> bool:
+    """Whether this CPU has a compiled kernel for every part of a layer of ``cfg``'s shapes in
+    these dtypes (the products' packed panels, the element-wise steps, attention over a pool of
+    ``kv_dtype`` and ``block_size``): where it has, ``CPUForward.build`` takes a model of that
+    shape whose products it packed, and the layers run in one call a step. The tests ask this,
+    never which CPU they run on."""
+    if dtype not in (torch.bfloat16, torch.float32) or cfg.hidden_size % 16:
+        return False
+    if kv_dtype != dtype and not kv_quant.is_kv8(kv_dtype):
+        return False
+    if elementwise.elementwise_library() is None or forward_library() is None:
+        return False
+    heads, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    if dtype == torch.bfloat16:
+        return attention_kernels.bf16_kernel_supports(dtype, kv_dtype, heads, kvh, d) and bool(
+            linear.linear_bf16_panel() or linear.linear_bf16_amx_available()
+        )
+    return attention_kernels.decode_kernel_supports(
+        dtype, kv_dtype, heads, kvh, d, block_size
+    ) and bool(linear.linear_f32_panel())
+
+
 class CPUForward:
     """The layer loop of one model over one KV pool, in C, with the CPU attention backend
     ``backend`` planning each step's work groups. ``run`` does what the model's Python layer
     loop does: it updates ``h`` in place and returns the last layer's MLP output (not yet
     added). Its buffers are kept between steps (grown when a step has more rows), so it must
-    be used from one thread at a time, as the engine's step loop does."""
+    be used from one thread at a time, as the engine's step loop does.
+
+    It reads the model's weights through their addresses and holds none of the model's
+    objects: the model holds it (``LlamaModel.layer_loop``), and a reference back would keep
+    a deleted model alive until a garbage collection."""
 
     def __init__(self, model, kv_caches, backend, amx: bool):
         cfg = model.cfg
-        self.model = model
+        self.cfg = cfg
+        self.dtype = model.dtype
         self.backend = backend
         self.bf16 = model.dtype == torch.bfloat16
         # float32 attention on its register-tiled path plans units of up to 48 query rows
@@ -245,27 +272,13 @@ class CPUForward:
         loop)."""
         cfg = model.cfg
         dtype = model.dtype
-        if (
-            dtype not in (torch.bfloat16, torch.float32)
-            or getattr(backend, "name", None) != "cpu"
-            or not backend.plain_store
-            or cfg.hidden_size % 16
-            or not kv_caches
-            or elementwise.elementwise_library() is None
-            or forward_library() is None
-        ):
+        if getattr(backend, "name", None) != "cpu" or not backend.plain_store or not kv_caches:
             return None
         k_cache = kv_caches[0][0]
         kv_dtype = k_cache.dtype  # the compute dtype's, or 8-bit
-        if kv_dtype != dtype and not kv_quant.is_kv8(kv_dtype):
+        if not layers_compile_here(dtype, kv_dtype, cfg, k_cache.shape[1]):
             return None
         if any(t.dtype != kv_dtype or not t.is_contiguous() for pair in kv_caches for t in pair):
-            return None
-        heads, kvh, d, bs = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, k_cache.shape[1]
-        if dtype == torch.bfloat16:
-            if not attention_kernels.bf16_kernel_supports(dtype, kv_dtype, heads, kvh, d):
-                return None
-        elif not attention_kernels.decode_kernel_supports(dtype, kv_dtype, heads, kvh, d, bs):
             return None
         kinds = set()
         for lw in model.layers:
@@ -291,7 +304,7 @@ class CPUForward:
             return
         self.capacity = max(rows, 2 * self.capacity)
         self.buffers = {
-            name: torch.empty(self.capacity * w, dtype=self.model.dtype)
+            name: torch.empty(self.capacity * w, dtype=self.dtype)
             for name, w in self.widths.items()
         }
         if not self.bf16:
@@ -305,7 +318,7 @@ class CPUForward:
         """``h`` [rows, hidden] (contiguous) through every layer, in place; returns the last
         layer's MLP output [rows, hidden] (a view of a kept buffer: valid until the next
         step)."""
-        cfg = self.model.cfg
+        cfg = self.cfg
         rows = h.shape[0]
         backend = self.backend
         group = cfg.num_heads // cfg.num_kv_heads

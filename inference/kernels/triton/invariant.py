@@ -13,8 +13,10 @@ request in the step or another chunking then change the logits. These kernels fi
 - ``add_rms_norm``: the residual add and RMSNorm, one row per program, its sum of squares over
   the row in one fixed order.
 
-On a machine without a GPU they run under Triton's interpreter (``TRITON_INTERPRET=1``, set
-before this module is imported).
+On a GPU ``1 / tl.sqrt`` is the fast square root and division (``sqrt.approx``,
+``div.full``): a norm's bits differ from torch's by a rounding or so, and are the same for a
+row whatever the batch. On a machine without a GPU they run under Triton's interpreter
+(``TRITON_INTERPRET=1``, set before this module is imported).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import triton
 import triton.language as tl
 
 from inference.device import parallel_units
+from inference.kernels.triton.common import Launch
 from inference.model.layers import TorchLinear
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages) per dtype width: 16-bit in the shape of
@@ -36,7 +39,7 @@ def _num_programs(device: torch.device, tiles: int) -> int:
     return max(1, min(tiles, parallel_units(device)))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "NUM_PROGRAMS"])
 def _linear_kernel(
     x_ptr,
     w_ptr,
@@ -95,9 +98,10 @@ def _linear_kernel(
         )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """``x`` [M, K] (rows dense) times ``weight`` [N, K] transposed, plus ``bias`` [N]: [M, N]
-    in x's dtype, each row's bits independent of M (module docstring)."""
+def linear_launch(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, Launch | None]:
+    """The output [M, N] and the launch of ``linear`` (None for no rows)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear: x {tuple(x.shape)} against weight {tuple(weight.shape)}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
@@ -106,22 +110,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
-        return y
+        return y, None
     bm, bn, bk, gm, warps, stages = LINEAR_CONFIGS["32" if x.dtype == torch.float32 else "16"]
     tiles = -(-m // bm) * -(-n // bn)
     programs = _num_programs(x.device, tiles)
-    _linear_kernel[(programs,)](
-        x,
-        weight,
-        bias if bias is not None else weight,
-        y,
-        m,
-        n,
-        k,
-        x.stride(0),
-        weight.stride(0),
-        y.stride(0),
-        programs,
+    args = (x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0),
+            weight.stride(0), y.stride(0), programs)  # fmt: skip
+    kwargs = dict(
         HAS_BIAS=bias is not None,
         BLOCK_M=bm,
         BLOCK_N=bn,
@@ -130,7 +125,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         IEEE=x.dtype == torch.float32,
         num_warps=warps,
         num_stages=stages,
+        enable_fp_fusion=True,
     )
+    return y, Launch(_linear_kernel, (programs,), args, kwargs)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``x`` [M, K] (rows dense) times ``weight`` [N, K] transposed, plus ``bias`` [N]: [M, N]
+    in x's dtype, each row's bits independent of M (module docstring)."""
+    y, launch = linear_launch(x, weight, bias)
+    if launch is not None:
+        launch()
     return y
 
 
@@ -174,24 +179,26 @@ def _add_rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + cols, w * normed, mask=mask)
 
 
-def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """``h += delta`` (in place), then each row's RMSNorm times ``weight``: one row per program
-    (the ops table's ``add_rms_norm``)."""
+def add_rms_norm_launch(
+    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, Launch | None]:
+    """The output and the launch of ``add_rms_norm`` (None for no rows)."""
     n, width = h.shape
     out = torch.empty_like(h)
     if n == 0:
-        return out
-    _add_rms_norm_kernel[(n,)](
-        h,
-        delta if delta is not None else h,
-        weight,
-        out,
-        h.stride(0),
-        delta.stride(0) if delta is not None else 0,
-        out.stride(0),
-        width,
-        eps,
-        HAS_DELTA=delta is not None,
-        BLOCK=triton.next_power_of_2(width),
+        return out, None
+    args = (h, delta if delta is not None else h, weight, out, h.stride(0),
+            delta.stride(0) if delta is not None else 0, out.stride(0), width, eps)  # fmt: skip
+    kwargs = dict(
+        HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(width), enable_fp_fusion=True
     )
+    return out, Launch(_add_rms_norm_kernel, (n,), args, kwargs)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """``h += delta`` (in place), then each row's RMSNorm times ``weight``: one row per program
+    (the ops table's ``add_rms_norm``)."""
+    out, launch = add_rms_norm_launch(h, delta, weight, eps)
+    if launch is not None:
+        launch()
     return out
