@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint bench browser
+.PHONY: install serve test lint bench system-deps
 
 install: $(STAMP)
 
@@ -18,16 +18,20 @@ $(STAMP): pyproject.toml
 serve: install
 	$(BIN)/docqa serve
 
-# the browser tests drive Debian's headless Chromium through chromedriver
-BROWSER_PKGS := chromium chromium-driver
+# what the tests run beside the service: Debian's headless Chromium and chromedriver (the
+# page), HAProxy (the load balancer in front of replicas) and docker-compose (`config` checks
+# the compose files); installed when missing and make runs as root
+SYSTEM_CMDS := chromium chromedriver haproxy docker-compose
+SYSTEM_PKGS := chromium chromium-driver haproxy docker-compose
 
-browser:
-	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then :; \
+system-deps:
+	@missing=; for c in $(SYSTEM_CMDS); do command -v $$c >/dev/null 2>&1 || missing=1; done; \
+	if [ -z "$$missing" ]; then :; \
 	elif [ "$$(id -u)" = 0 ]; then \
-		apt-get update -qq && apt-get install -y -qq --no-install-recommends $(BROWSER_PKGS); \
-	else echo "the browser tests need: apt-get install $(BROWSER_PKGS)"; fi
+		apt-get update -qq && apt-get install -y -qq --no-install-recommends $(SYSTEM_PKGS); \
+	else echo "the tests need: apt-get install $(SYSTEM_PKGS)"; fi
 
-test: install browser
+test: install system-deps
 	$(BIN)/python -m pytest -q
 
 lint: install

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from importlib import resources
 from pathlib import Path
@@ -302,15 +301,6 @@ def cmd_ask(args) -> int:
     return 0
 
 
-def _reachable_host(host: str) -> str:
-    """The host other replicas use to reach one bound to ``host``."""
-    if host in ("0.0.0.0", "::", ""):
-        import socket
-
-        return socket.gethostname()
-    return host
-
-
 def cmd_serve(args) -> int:
     """Migrate the database, then serve the REST API (the model loads in the background;
     /ready answers 503 until it has)."""
@@ -334,9 +324,6 @@ def cmd_serve(args) -> int:
         pin_budget=args.pin_budget,
         max_num_batched_tokens=args.max_batched_tokens,
         prefill_tokens_with_decodes=args.prefill_tokens_with_decodes,
-        advertise_url=args.advertise_url
-        or os.environ.get("DOCQA_ADVERTISE_URL")
-        or f"http://{_reachable_host(args.host)}:{args.port}",
     )
     upgrade(settings.database_url)  # before the event loop starts (Alembic runs its own)
     app = create_app(settings)
@@ -514,12 +501,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="prompt tokens per engine step while answers are decoding (default 0: up to "
         "--max-batched-tokens)",
-    )
-    s.add_argument(
-        "--advertise-url",
-        default=None,
-        help="URL other replicas use to reach this one (env DOCQA_ADVERTISE_URL; default "
-        "http://HOST:PORT)",
     )
     s.set_defaults(func=cmd_serve)
 

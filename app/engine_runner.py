@@ -288,13 +288,16 @@ class EngineRunner:
             return
         handle = entry[1]
         if self.observer is not None:
-            self.observer.observe_request(
-                metrics,
-                started=req.times.first_scheduled is not None,
-                got_first_token=req.times.first_token is not None,
-                cached_tokens=max(req.num_cached_tokens, 0),
-                redis_tokens=req.num_tier_cached_tokens,
-            )
+            try:
+                self.observer.observe_request(
+                    metrics,
+                    started=req.times.first_scheduled is not None,
+                    got_first_token=req.times.first_token is not None,
+                    cached_tokens=max(req.num_cached_tokens, 0),
+                    redis_tokens=req.num_tier_cached_tokens,
+                )
+            except Exception:  # a metric that fails must not stop the engine: logged, skipped
+                log.exception("could not record the metrics of %s", req.request_id)
         if error is not None:
             handle.loop.call_soon_threadsafe(handle._finish, error)
             return
@@ -434,6 +437,7 @@ class EngineRunner:
             "kv_cache_usage_perc": kv.usage(),
             "kv_cache_cached_blocks": kv.pool.num_cached_free,
             "num_blocks": kv.pool.num_blocks,
+            "block_size": e.kv_spec.block_size,
             "num_free_blocks": kv.pool.num_free,
             "num_requests_running": len(s.running),
             "num_requests_waiting": len(s.waiting),

@@ -97,6 +97,12 @@ class _EngineCollector:
                 "Lookups a request stopped waiting for (Redis too slow)",
                 "tier_lookups_abandoned",
             )
+            yield counter(
+                "docqa:redis_tier_claim_waits",
+                "Lookups that waited for another replica computing the same prefix (its claim) "
+                "instead of computing it too",
+                "tier_claim_waits",
+            )
         yield gauge(
             "docqa:kv_cache_usage_perc",
             "Fraction of KV blocks referenced by running requests",
@@ -109,6 +115,17 @@ class _EngineCollector:
         )
         yield gauge("docqa:num_requests_running", "Requests running", "num_requests_running")
         yield gauge("docqa:num_requests_waiting", "Requests waiting", "num_requests_waiting")
+        if "block_size" in c:
+            # the Gateway API Inference Extension's model-server protocol: the KV cache's
+            # block size in tokens and its number of blocks, as labels of a gauge of 1
+            info = GaugeMetricFamily(
+                "docqa:cache_config_info",
+                "The KV cache's configuration: block_size (tokens a block) and num_gpu_blocks "
+                "(blocks in the pool, on any device)",
+                labels=["block_size", "num_gpu_blocks"],
+            )
+            info.add_metric([str(int(c["block_size"])), str(int(c["num_blocks"]))], 1.0)
+            yield info
 
 
 class ServiceMetrics:
@@ -229,8 +246,8 @@ class ServiceMetrics:
             self.ttft.observe(m.ttft_ms / 1000)
             if cached_tokens > 0 and m.ttft_saved_ms > 0:
                 saved = m.ttft_saved_ms / 1000
-                redis = saved * redis_tokens / cached_tokens
-                self.saved.labels(tier="device").inc(saved - redis)
+                redis = saved * min(1.0, max(0, redis_tokens) / cached_tokens)
+                self.saved.labels(tier="device").inc(max(0.0, saved - redis))
                 self.saved.labels(tier="redis").inc(redis)
         self.e2e.observe(m.e2e_ms / 1000)
 

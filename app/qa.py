@@ -26,7 +26,6 @@ from app.db import Conversation, Database, Manual, Message
 from app.db.models import new_id
 from app.engine_runner import Completion, EngineRunner, RequestHandle
 from app.errors import NotFound, ServiceError
-from app.replicas import Peer
 from app.settings import MIN_QUESTION_ROOM, Settings
 from inference import SamplingParams
 from prompts import BuiltPrompt, PromptLayoutTooLong, Turn
@@ -118,7 +117,7 @@ class QAService:
         self.settings = settings
         self.db = db
         self.runner = runner
-        self.registry = None  # ReplicaRegistry when replicas share a Redis
+        self.cancel_relay = None  # CancelRelay when replicas share a Redis
         self._tasks: set[asyncio.Task] = set()
 
     @property
@@ -312,15 +311,28 @@ class QAService:
         return turns
 
     # -- running ----------------------------------------------------------------------------------
-    async def route(self, job: Job) -> Peer | None:
-        """The replica holding a longer cached prefix of this prompt (or, when none holds any,
-        a less loaded one); None to serve it here."""
-        reg = self.registry
-        if reg is None or not job.use_cache:
+    async def cancel_local(self, request_id: str, tenant: str) -> dict | None:
+        """Cancel an answer running on this replica (its blocks freed at once; a conversation
+        turn is stored with finish reason ``cancelled``): the outcome, or None where no answer
+        of ``tenant`` with that id runs here."""
+        handle = self.runner.find(request_id)
+        if handle is None or handle.owner != tenant:
             return None
-        ids = job.prompt.token_ids
-        hashes = self.runner.engine.kv_manager.hasher(job.namespace).chain(ids[: len(ids) - 1])
-        return await reg.route(hashes)
+        handle.cancel()
+        done = await asyncio.shield(handle.final)
+        return {
+            "id": request_id,
+            "cancelled": done.finish_reason == "cancelled",
+            "finish_reason": done.finish_reason,
+            "completion_tokens": len(done.output_token_ids),
+        }
+
+    async def cancel(self, request_id: str, tenant: str) -> dict | None:
+        """``cancel_local``, else the replica running it, asked over Redis (``CancelRelay``)."""
+        done = await self.cancel_local(request_id, tenant)
+        if done is None and self.cancel_relay is not None:
+            done = await self.cancel_relay.cancel_elsewhere(request_id, tenant)
+        return done
 
     async def submit(self, job: Job) -> tuple[RequestHandle, asyncio.Task]:
         handle = await self.runner.submit(

@@ -107,12 +107,10 @@ class Settings:
     max_upload_bytes: int = MAX_UPLOAD_BYTES
     max_waiting_requests: int = 256  # beyond this the engine answers 503 with Retry-After
     num_threads: int | None = None
-    # the Redis tier and replicas (used only with redis_url)
+    # the Redis tier, and cancels relayed between replicas (used only with redis_url)
     redis_prefix: str = "docqa:"  # key prefix of everything docqa keeps in Redis
     redis_ttl_s: int = 24 * 3600  # lifetime of a KV block in Redis since its last use
     redis_max_gib: float = 2.0  # KV bytes the tier may hold before trimming the oldest
-    advertise_url: str | None = None  # how other replicas reach this one
-    routing: bool = True  # forward questions to the replica holding the longest prefix
     # on SIGTERM, how long answers in flight may run on before they are cancelled (stored as
     # such) and the process exits; new requests get 503 meanwhile
     shutdown_grace_s: float = 30.0
@@ -210,8 +208,6 @@ class Settings:
             redis_prefix=env.get("DOCQA_REDIS_PREFIX") or "docqa:",
             redis_ttl_s=_env_number("DOCQA_REDIS_TTL_S", int, 24 * 3600),
             redis_max_gib=_env_number("DOCQA_REDIS_MAX_GIB", float, 2.0),
-            advertise_url=env.get("DOCQA_ADVERTISE_URL") or None,
-            routing=_env_flag("DOCQA_ROUTING", True),
             shutdown_grace_s=_env_number("DOCQA_SHUTDOWN_GRACE_S", float, 30.0),
             benchmark_weights=_env_flag("DOCQA_BENCHMARK_WEIGHTS", False),
             batch_invariant=_env_flag("DOCQA_BATCH_INVARIANT", False),

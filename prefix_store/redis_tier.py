@@ -3,7 +3,14 @@
 A block goes to Redis once it is full and registered in the device pool (write-through), never
 on the eviction path. Each block is one key
 
-    {prefix}kv:{model fingerprint}:{block hash}  ->  header | token ids | K/V bytes
+    {prefix}kv:{{kv-<fingerprint>-<group>}}:{block hash}  ->  header | token ids | K/V bytes
+
+in one of ``GROUPS`` slot groups (the hash tag between braces; a block's group is its hash's
+first byte modulo ``GROUPS``), each with its own index of keys by last use. On a Redis Cluster
+(``DOCQA_REDIS_URL`` naming any node: ``prefix_store.redis_client``) a group's keys and its
+index live on one master, the groups spread over the masters, and every read or write is one
+pipeline, split by master. A group whose master is gone answers nothing: its blocks are misses
+(computed again) and its writes are dropped, while the other groups serve on.
 
 where the header carries a magic, a format version, the block size, the payload length and the
 parent hash. A reader verifies all of them (and the caller checks the token ids against its own
@@ -15,8 +22,16 @@ bounded queue, lookups run on a loader thread and hand back a future. Any failur
 slow, full) degrades the tier: writes are dropped, lookups answer "nothing", a warning is
 logged once, and a health thread pings until Redis answers again.
 
-Memory is bounded twice: every key has a TTL, and a sorted set of keys by last use lets the
-writer trim the oldest blocks once the tier holds more than ``max_bytes``.
+Replicas do not compute the same prefix at once: a lookup that finds the chain missing from
+some block on claims that block (``{prefix}claim:{hash}``, SET NX with a TTL) before its
+request computes it; another replica's lookup that finds the claim taken waits, polling, until
+the holder releases it (after its request's prompt is computed and its blocks are written
+through) or it lapses, then loads what the holder wrote (``TierIO``). Claims of this process's
+own requests are left to the engine's scheduler, which never prefills a shared prefix twice.
+
+Memory is bounded twice: every key has a TTL, and each group's sorted set of keys by last use
+lets the writer trim its oldest blocks once the group holds more than its share of
+``max_bytes``.
 """
 
 from __future__ import annotations
@@ -24,6 +39,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import os
 import struct
 import threading
 import time
@@ -34,8 +50,12 @@ from typing import NamedTuple
 
 import numpy as np
 
+from prefix_store.redis_client import node_url, redis_client
+
 log = logging.getLogger("docqa.tier")
 
+GROUPS = 16  # slot groups: hash tags the blocks spread over (a cluster's masters share them)
+DEAD_GROUP_S = 2.0  # a group whose master did not answer is skipped this long
 _MAGIC = b"DQKV"
 _VERSION = 1
 _HEADER = struct.Struct("<4sHHI16s")  # magic, version, block size, payload bytes, parent hash
@@ -50,9 +70,13 @@ class TierConfig:
     timeout_s: float = 2.0  # socket timeout of every Redis call
     max_pending_bytes: int = 256 * 2**20  # writes queued beyond this are dropped
     retry_s: float = 1.0  # how often a degraded tier checks whether Redis is back
-    batch_blocks: int = 32  # blocks per pipelined write or MGET
+    batch_blocks: int = 32  # blocks per pipelined write or read
     # a request waits at most this long for its lookup; then it computes what it lacks
     lookup_wait_s: float = 2.0
+    # a prefix another replica claimed (it is computing it) is waited for this long at most,
+    # and a claim lapses after ``claim_ttl_s`` if its holder never releases it
+    claim_wait_s: float = 10.0
+    claim_ttl_s: float = 10.0
 
     def __post_init__(self):
         if self.ttl_s < 1:
@@ -104,15 +128,19 @@ class RedisTier:
         self.payload_bytes = payload_bytes
         self.value_bytes = _HEADER.size + 4 * block_size + payload_bytes
         self.max_blocks = max(1, config.max_bytes // self.value_bytes)
-        self._key_prefix = f"{config.prefix}kv:{model_fingerprint.hex()[:32]}:".encode()
-        self._lru_key = self._key_prefix + b"lru"
+        self._group_blocks = max(1, self.max_blocks // GROUPS)  # each group's share of the cap
+        fp = model_fingerprint.hex()[:32]
+        # per group: the key prefix of its blocks, and its index of keys by last use
+        self._prefixes = [f"{config.prefix}kv:{{kv-{fp}-{g:02d}}}:".encode() for g in range(GROUPS)]
+        self._lru_keys = [p + b"lru" for p in self._prefixes]
         self._redis_errors = (redis.RedisError, OSError)
-        self._client = redis.Redis.from_url(
-            config.url,
-            socket_timeout=config.timeout_s,
-            socket_connect_timeout=min(config.timeout_s, 1.0),
-            health_check_interval=0,
-        )
+        self._client: redis.Redis | redis.RedisCluster = redis.Redis.from_url(
+            node_url(config.url)[0]
+        )  # until _connect: a client every call of which fails while Redis is away
+        self.cluster = False
+        self.owner = os.urandom(8).hex()  # this process's claims carry it
+        self._claim_prefix = f"{config.prefix}claim:".encode()
+        self._dead_until: dict[int, float] = {}  # group -> monotonic time to try it again
         # state
         self._lock = threading.Condition()
         self._queue: deque[tuple[list[TierBlock], concurrent.futures.Future | None]] = deque()
@@ -129,8 +157,9 @@ class RedisTier:
         self.writes_dropped = 0
         self.errors = 0
         self.lookups_abandoned = 0  # lookups a request stopped waiting for (slow Redis)
+        self.claim_waits = 0  # lookups that waited for another replica computing the prefix
         self._loader = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="docqa-tier-load"
+            2, thread_name_prefix="docqa-tier-load"
         )
         self._writer = threading.Thread(
             target=self._write_loop, name="docqa-tier-write", daemon=True
@@ -138,10 +167,8 @@ class RedisTier:
         self._health = threading.Thread(
             target=self._health_loop, name="docqa-tier-health", daemon=True
         )
-        try:
-            self._client.ping()
-        except self._redis_errors as e:
-            self._degrade(f"not reachable at start: {e}")
+        if not (self._connect() and self._ping()):
+            self._degrade("not reachable at start")
         self._writer.start()
         self._health.start()
 
@@ -154,12 +181,83 @@ class RedisTier:
     def status(self) -> str:
         return "ok" if self._up else "degraded"
 
+    def _connect(self) -> bool:
+        """A new client for the URL (a cluster's where the server is one, which is asked of it
+        each time, so a Redis that comes back as a cluster is seen as one); False where Redis
+        does not answer."""
+        import redis
+
+        try:
+            client = redis_client(self.config.url, self.config.timeout_s)
+        except self._redis_errors:
+            return False
+        self.cluster = not isinstance(client, redis.Redis)
+        self._client = client
+        return True
+
+    def _ping(self) -> bool:
+        """Whether Redis answers (a cluster: any of its nodes, so a master that is gone does
+        not hold the whole tier down)."""
+        try:
+            if self.cluster:
+                return bool(self._client.ping(target_nodes=self._client.RANDOM))
+            return bool(self._client.ping())
+        except self._redis_errors:
+            return False
+
+    def _key(self, block_hash: bytes) -> tuple[int, bytes]:
+        """(group, key) of a block."""
+        g = block_hash[0] % GROUPS
+        return g, self._prefixes[g] + block_hash.hex().encode()
+
+    def _run(self, commands: list[tuple[int, str, tuple, dict]]) -> list:
+        """Run (group, command, args, kwargs) in one pipeline; each result in order, a failed
+        command's as its exception. On a cluster, where a pipeline to a master that is gone
+        raises as a whole, the groups run one pipeline each instead, and a group that failed
+        is skipped (its results errors) for ``DEAD_GROUP_S``. Raises when every command failed
+        (Redis unreachable)."""
+        results = self._pipeline(commands)
+        if results is None:  # a cluster with a master gone: group by group
+            results = [None] * len(commands)
+            by_group: dict[int, list[int]] = {}
+            for i, (g, *_) in enumerate(commands):
+                by_group.setdefault(g, []).append(i)
+            now = time.monotonic()
+            for g, idx in by_group.items():
+                got = None
+                if self._dead_until.get(g, 0.0) <= now:
+                    got = self._pipeline([commands[i] for i in idx])
+                if got is None:
+                    self._dead_until[g] = now + DEAD_GROUP_S
+                    got = [ConnectionError(f"slot group {g} unreachable")] * len(idx)
+                for i, r in zip(idx, got, strict=True):
+                    results[i] = r
+        failed = [r for r in results if isinstance(r, Exception)]
+        if failed:
+            self.errors += len(failed)
+            if len(failed) == len(results):
+                raise failed[0]
+        return results
+
+    def _pipeline(self, commands) -> list | None:
+        """One pipeline's results (errors in place); None where a cluster's pipeline failed as
+        a whole."""
+        pipe = self._client.pipeline(transaction=False)
+        for _, name, args, kwargs in commands:
+            getattr(pipe, name)(*args, **kwargs)
+        if not self.cluster:
+            return pipe.execute(raise_on_error=False)
+        try:
+            return pipe.execute(raise_on_error=False)
+        except self._redis_errors:
+            return None
+
     def _degrade(self, why: str) -> None:
         self.errors += 1
         with self._lock:
             was_up, self._up = self._up, False
             self.reason = why
-            dropped = sum(len(blocks) for blocks, _ in self._queue)
+            dropped = sum(len(b) for b, _ in self._queue if isinstance(b, list))
             waiters = [f for _, f in self._queue if f is not None]
             self._queue.clear()
             self._pending_bytes = 0
@@ -176,10 +274,8 @@ class RedisTier:
             time.sleep(self.config.retry_s)
             if self._up or self._closing:
                 continue
-            try:
-                self._client.ping()
-            except self._redis_errors:
-                continue
+            if not (self._connect() and self._ping()):
+                continue  # (a new client each time: Redis may come back as a cluster)
             with self._lock:
                 self._up = True
                 self.reason = ""
@@ -231,6 +327,10 @@ class RedisTier:
             if waiter is not None:
                 waiter.set_result(True)
                 continue
+            if isinstance(blocks, bytes):  # a claim to release, after the writes before it
+                with contextlib.suppress(*self._redis_errors):
+                    self._release_claim(blocks)
+                continue
             try:
                 self._write_batch(blocks)
             except self._redis_errors as e:
@@ -248,34 +348,43 @@ class RedisTier:
         now = time.time()
         for i in range(0, len(blocks), cfg.batch_blocks):
             part = blocks[i : i + cfg.batch_blocks]
-            pipe = self._client.pipeline(transaction=False)
-            scores = {}
-            nbytes = 0
+            cmds = []
+            scores: dict[int, dict[bytes, float]] = {}
             for b in part:
-                key = self._key_prefix + b.block_hash.hex().encode()
-                value = encode_block(b, self.block_size)
-                nbytes += len(value)
-                pipe.set(key, value, ex=cfg.ttl_s)
-                scores[key] = now
-            pipe.zadd(self._lru_key, scores)
-            pipe.expire(self._lru_key, cfg.ttl_s)
-            pipe.execute()
-            self.blocks_written += len(part)
-            self.bytes_written += nbytes
-        self._trim(now)
+                g, key = self._key(b.block_hash)
+                cmds.append((g, "set", (key, encode_block(b, self.block_size)), {"ex": cfg.ttl_s}))
+                scores.setdefault(g, {})[key] = now
+            for g, group in scores.items():
+                cmds.append((g, "zadd", (self._lru_keys[g], group), {}))
+                cmds.append((g, "expire", (self._lru_keys[g], cfg.ttl_s), {}))
+            results = self._run(cmds)
+            stored = sum(r is True for r in results[: len(part)])
+            self.blocks_written += stored
+            self.bytes_written += stored * self.value_bytes
+            self.writes_dropped += len(part) - stored
+            self._trim(now, sorted(scores))
 
-    def _trim(self, now: float) -> None:
-        """Forget index entries past their TTL; evict the least recently used blocks beyond
-        the memory cap."""
-        pipe = self._client.pipeline(transaction=False)
-        pipe.zremrangebyscore(self._lru_key, "-inf", now - self.config.ttl_s)
-        pipe.zcard(self._lru_key)
-        _, count = pipe.execute()
-        excess = count - self.max_blocks
-        if excess > 0:
-            old = [k for k, _ in self._client.zpopmin(self._lru_key, excess)]
-            if old:
-                self._client.delete(*old)
+    def _trim(self, now: float, groups: list[int]) -> None:
+        """Forget index entries past their TTL; evict each group's least recently used blocks
+        beyond its share of the memory cap."""
+        cmds = []
+        for g in groups:
+            cmds.append(
+                (g, "zremrangebyscore", (self._lru_keys[g], "-inf", now - self.config.ttl_s), {})
+            )
+            cmds.append((g, "zcard", (self._lru_keys[g],), {}))
+        counts = self._run(cmds)[1::2]
+        for g, count in zip(groups, counts, strict=True):
+            excess = count - self._group_blocks if isinstance(count, int) else 0
+            if excess > 0:
+                old = [k for k, _ in self._client.zpopmin(self._lru_keys[g], excess)]
+                if old:
+                    self._client.delete(*old)  # one group: one slot
+
+    def indexed_blocks(self) -> int:
+        """Blocks the groups' indexes hold (a blocking call; tests and tools)."""
+        cmds = [(g, "zcard", (key,), {}) for g, key in enumerate(self._lru_keys)]
+        return sum(n for n in self._run(cmds) if isinstance(n, int))
 
     # -- lookups -----------------------------------------------------------------------------
     def fetch(self, block_hashes: Sequence[bytes], parent: bytes) -> concurrent.futures.Future:
@@ -296,8 +405,7 @@ class RedisTier:
         try:
             for i in range(0, len(block_hashes), step):
                 part = block_hashes[i : i + step]
-                keys = [self._key_prefix + h.hex().encode() for h in part]
-                values = self._client.mget(keys)
+                values = self._get(part)
                 for h, v in zip(part, values, strict=True):
                     if v is None:
                         break
@@ -311,28 +419,95 @@ class RedisTier:
                     continue
                 break
             if out:
-                self._touch([self._key_prefix + b.block_hash.hex().encode() for b in out])
+                self._touch([b.block_hash for b in out])
         except self._redis_errors as e:
             self._degrade(f"lookup failed: {e}")
             return []
         self.blocks_loaded += len(out)
         return out
 
-    def _touch(self, keys: list[bytes]) -> None:
-        pipe = self._client.pipeline(transaction=False)
+    def _get(self, block_hashes: list[bytes]) -> list[bytes | None]:
+        """The values of these blocks in order, None for a block not there (or whose group's
+        master did not answer): one pipeline of GETs (a cluster's split by master)."""
+        cmds = [(g, "get", (key,), {}) for g, key in map(self._key, block_hashes)]
+        return [None if isinstance(v, Exception) else v for v in self._run(cmds)]
+
+    def _touch(self, block_hashes: list[bytes]) -> None:
         now = time.time()
-        pipe.zadd(self._lru_key, dict.fromkeys(keys, now), xx=True)
-        for k in keys:
-            pipe.expire(k, self.config.ttl_s)
-        pipe.execute()
+        cmds = []
+        by_group: dict[int, dict[bytes, float]] = {}
+        for h in block_hashes:
+            g, key = self._key(h)
+            by_group.setdefault(g, {})[key] = now
+            cmds.append((g, "expire", (key, self.config.ttl_s), {}))
+        for g, keys in by_group.items():
+            cmds.append((g, "zadd", (self._lru_keys[g], keys), {"xx": True}))
+        self._run(cmds)
+
+    # -- claims -------------------------------------------------------------------------------
+    def lookup(self, block_hashes: Sequence[bytes], parent: bytes) -> concurrent.futures.Future:
+        """``fetch``, then, where the chain stops short, a claim on its first missing block:
+        the future resolves to (the blocks found, the block hash this process now claims or
+        None, whether another process holds the claim). Never raises."""
+        fut: concurrent.futures.Future
+        if not block_hashes or not self._up or self._closing:
+            fut = concurrent.futures.Future()
+            fut.set_result(([], None, False))
+            return fut
+        return self._loader.submit(self._lookup, list(block_hashes), parent)
+
+    def _lookup(self, block_hashes: list[bytes], parent: bytes):
+        found = self._fetch(block_hashes, parent)
+        if len(found) == len(block_hashes) or not self._up:
+            return found, None, False
+        missing = block_hashes[len(found)]
+        key = self._claim_prefix + missing.hex().encode()
+        ttl_ms = int(self.config.claim_ttl_s * 1000)
+        try:
+            if self._client.set(key, self.owner, nx=True, px=ttl_ms):
+                return found, missing, False
+            holder = self._client.get(key)
+        except self._redis_errors:
+            return found, None, False  # no claims without Redis: compute
+        busy = holder is not None and holder.decode() != self.owner
+        return found, None, busy
+
+    def claim_held(self, block_hash: bytes) -> concurrent.futures.Future:
+        """Whether another process still claims ``block_hash`` (False when Redis fails)."""
+
+        def held() -> bool:
+            try:
+                holder = self._client.get(self._claim_prefix + block_hash.hex().encode())
+            except self._redis_errors:
+                return False
+            return holder is not None and holder.decode() != self.owner
+
+        return self._loader.submit(held)
+
+    def release(self, block_hash: bytes) -> None:
+        """Release this process's claim on ``block_hash`` once the writes queued before are in
+        Redis (so a process waiting on it finds the blocks)."""
+        with self._lock:
+            if self._up:
+                self._queue.append((block_hash, None))
+                self._lock.notify()
+
+    _RELEASE = (
+        "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end "
+        "return 0"
+    )
+
+    def _release_claim(self, block_hash: bytes) -> None:
+        key = self._claim_prefix + block_hash.hex().encode()
+        self._client.eval(self._RELEASE, 1, key, self.owner)
 
     def count_present(self, block_hashes: Sequence[bytes]) -> int:
         """How many of these blocks Redis holds (a blocking call; not for the engine thread)."""
         if not block_hashes:
             return 0
-        keys = [self._key_prefix + h.hex().encode() for h in block_hashes]
+        cmds = [(g, "exists", (key,), {}) for g, key in map(self._key, block_hashes)]
         try:
-            return int(self._client.exists(*keys))
+            return sum(n for n in self._run(cmds) if isinstance(n, int))
         except self._redis_errors as e:
             self._degrade(f"lookup failed: {e}")
             return 0
@@ -347,6 +522,7 @@ class RedisTier:
             "writes_dropped": self.writes_dropped,
             "errors": self.errors,
             "lookups_abandoned": self.lookups_abandoned,
+            "claim_waits": self.claim_waits,
             "pending_bytes": self._pending_bytes,
         }
 

@@ -31,6 +31,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_cluster_port() -> int:
+    """A free port for a Redis Cluster node: its cluster bus takes the port 10,000 above, so at
+    most 55535, with that one free too."""
+    import random
+
+    for _ in range(1000):
+        port = random.randint(20000, 55535)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
 async def _pg_exec(sql: str) -> None:
     import asyncpg
 
@@ -202,6 +219,142 @@ class RedisServer:
             self.proc.wait()
 
 
+class RedisCluster:
+    """A Redis Cluster of ``masters`` ``redis-server`` processes on free loopback ports, no
+    replicas, whole slot coverage not required (a master gone leaves the others serving): what
+    a test may kill a master of."""
+
+    def __init__(self, log_dir: Path, masters: int = 3):
+        self.log_dir = log_dir
+        self.ports = [free_cluster_port() for _ in range(masters)]
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.ports[0]}/0"
+
+    def start(self) -> RedisCluster:
+        for port in self.ports:
+            d = self.log_dir / f"redis-{port}"
+            d.mkdir(parents=True, exist_ok=True)
+            cmd = [
+                "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--dir", str(d), "--cluster-enabled", "yes",
+                "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000",
+                "--cluster-require-full-coverage", "no",
+            ]  # fmt: skip
+            log = open(d / "redis.log", "w")  # noqa: SIM115
+            self.procs[port] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        for port in self.ports:
+            _wait_redis(f"redis://127.0.0.1:{port}/0")
+        nodes = [f"127.0.0.1:{p}" for p in self.ports]
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *nodes, "--cluster-replicas", "0",
+             "--cluster-yes"],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        import redis
+
+        while time.monotonic() < deadline:
+            info = redis.Redis(port=self.ports[0]).cluster("info")
+            if info.get("cluster_state") == "ok":
+                return self
+            time.sleep(0.2)
+        raise RuntimeError("the Redis Cluster did not become ok")
+
+    def master_of(self, key: bytes | str) -> int:
+        """The port of the master holding ``key``'s slot."""
+        import redis
+
+        r = redis.Redis(port=self.ports[0])
+        slot = r.cluster("keyslot", key)
+        for lo, hi, master, *_ in r.cluster("slots"):
+            if lo <= slot <= hi:
+                return int(master[1])
+        raise KeyError(key)
+
+    def kill(self, port: int) -> None:
+        proc = self.procs[port]
+        proc.kill()
+        proc.wait()
+
+    def stop(self) -> None:
+        for port in list(self.procs):
+            if self.procs[port].poll() is None:
+                self.kill(port)
+
+
+def _wait_redis(url: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            redis_client(url).close()
+            return
+        except RuntimeError:
+            time.sleep(0.1)
+    raise RuntimeError(f"redis-server at {url} did not start")
+
+
+class HAProxy:
+    """deploy/haproxy/haproxy.cfg in front of ``servers`` ((name, port) on loopback) instead of
+    the compose stack's DNS-discovered replicas, on a free port; ``balance`` replaces the
+    routing (roundrobin, for comparisons)."""
+
+    def __init__(self, log_dir: Path, servers: list[tuple[str, int]], balance: str | None = None):
+        self.port = free_port()
+        self.log_dir = log_dir
+        self.servers = servers
+        self.balance = balance
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def config(self) -> str:
+        cfg = (ROOT / "deploy" / "haproxy" / "haproxy.cfg").read_text()
+        lines = []
+        skip = False
+        for line in cfg.splitlines():
+            if line.startswith("resolvers "):
+                skip = True  # no DNS here
+            elif skip and not line.startswith(" "):
+                skip = False
+            if skip:
+                continue
+            if line.strip().startswith("server-template"):
+                lines += [f"    server {n} 127.0.0.1:{p} check" for n, p in self.servers]
+                continue
+            if line.strip().startswith("bind :8000"):
+                line = f"    bind 127.0.0.1:{self.port}"
+            if self.balance and line.strip().startswith("balance "):
+                line = f"    balance {self.balance}"
+            lines.append(line)
+        return "\n".join(lines) + "\n"
+
+    def start(self) -> HAProxy:
+        path = self.log_dir / f"haproxy-{self.port}.cfg"
+        path.write_text(self.config())
+        log = open(self.log_dir / f"haproxy-{self.port}.log", "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            ["haproxy", "-db", "-f", str(path)], stdout=log, stderr=subprocess.STDOUT
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                return self
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError(f"haproxy on port {self.port} did not start")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
 def sse_events(response: httpx.Response):
     """The native server-sent events of a streamed response, as they arrive: (event name or
     None, its JSON data)."""
@@ -211,6 +364,31 @@ def sse_events(response: httpx.Response):
             event = line[7:]
         elif line.startswith("data: "):
             yield event, json.loads(line[6:])
+
+
+class BackgroundStream:
+    """A streamed answer read on a thread of its own: ``request_id`` once its headers are in,
+    ``events`` as they come, ``started`` set after ``after`` events."""
+
+    def __init__(self, client: httpx.Client, path: str, body: dict, after: int = 3):
+        import threading
+
+        self.request_id = ""
+        self.events: list[tuple[str | None, dict]] = []
+        self.started = threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(client, path, body, after))
+        self._thread.start()
+
+    def _read(self, client: httpx.Client, path: str, body: dict, after: int) -> None:
+        with client, client.stream("POST", path, json=body) as r:
+            self.request_id = r.headers["x-request-id"]
+            for ev in sse_events(r):
+                self.events.append(ev)
+                if len(self.events) >= after:
+                    self.started.set()
+
+    def join(self, timeout: float = 60) -> None:
+        self._thread.join(timeout)
 
 
 def computed_total(client: httpx.Client) -> float:

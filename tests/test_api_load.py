@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from svc_helpers import Server, computed_total, sse_events
+from svc_helpers import BackgroundStream, Server, computed_total, sse_events
 from test_api import SAMPLE, ask
 
 pytestmark = pytest.mark.slow
@@ -46,34 +45,21 @@ def test_cancel_a_running_answer(pg_server):
         ).json()
         conv = a.post("/v1/conversations", json={"manual_id": m["id"]}).json()
         body = {"content": "Describe tarx.", "max_tokens": 400, "ignore_eos": True, "stream": True}
-        events: list[tuple[str, dict]] = []
-        rid: list[str] = []
-        got_tokens = threading.Event()
-
-        def stream():
-            with (
-                pg_server.client("key-a") as s,
-                s.stream("POST", f"/v1/conversations/{conv['id']}/messages", json=body) as r,
-            ):
-                rid.append(r.headers["x-request-id"])
-                for ev in sse_events(r):
-                    events.append(ev)
-                    if len(events) >= 3:
-                        got_tokens.set()
-
-        t = threading.Thread(target=stream)
-        t.start()
-        assert got_tokens.wait(120)
+        running = BackgroundStream(
+            pg_server.client("key-a"), f"/v1/conversations/{conv['id']}/messages", body
+        )
+        assert running.started.wait(120)
+        rid = running.request_id
         # another tenant cannot cancel it; an unknown id is a 404
-        assert b.post(f"/v1/requests/{rid[0]}/cancel").status_code == 404
+        assert b.post(f"/v1/requests/{rid}/cancel").status_code == 404
         assert a.post("/v1/requests/msg_unknown/cancel").status_code == 404
-        r = a.post(f"/v1/requests/{rid[0]}/cancel")
+        r = a.post(f"/v1/requests/{rid}/cancel")
         assert r.status_code == 200, r.text
         assert r.json()["cancelled"] is True and r.json()["completion_tokens"] < 400
-        t.join(60)
-        assert events[-1][0] == "answer"
-        final = events[-1][1]
-        assert final["id"] == rid[0] and final["finish_reason"] == "cancelled"
+        running.join(60)
+        assert running.events[-1][0] == "answer"
+        final = running.events[-1][1]
+        assert final["id"] == rid and final["finish_reason"] == "cancelled"
         engine = a.get("/v1/engine").json()
         assert engine["requests_running"] == 0 and engine["blocks_in_use"] == 0
         assert engine["requests_cancelled_total"] >= 1

@@ -90,3 +90,21 @@ def test_a_started_engine_reports_a_saving_on_its_first_cache_hit(tiny_model_dir
     warm = llm.generate(prompt_token_ids=[manual + [10, 11]], sampling_params=params)[0]
     assert warm.num_cached_tokens >= 192
     assert warm.metrics.ttft_saved_ms > 0 and warm.metrics.ttft_saved_basis == SAVED_ESTIMATE
+
+
+def test_saved_seconds_split_by_tier_never_go_negative():
+    """An answer all from Redis splits its saving into 0 on the device and the rest in Redis,
+    whatever the float rounding; more Redis tokens than cached ones (blocks loaded past the
+    cached prefix) count as all Redis."""
+    from app.metrics import ServiceMetrics
+    from inference.metrics import RequestMetrics
+
+    sm = ServiceMetrics()
+    m = RequestMetrics(1.0, 50.0, 40.0, 10.0, 5.0, 60.0, ttft_saved_ms=0.1 + 0.2)
+    sm.observe_request(m, True, True, cached_tokens=3, redis_tokens=3)
+    sm.observe_request(m, True, True, cached_tokens=2, redis_tokens=3)
+    sm.observe_request(m, True, True, cached_tokens=4, redis_tokens=1)
+    device = sm.registry.get_sample_value("docqa:prefill_seconds_saved_total", {"tier": "device"})
+    redis = sm.registry.get_sample_value("docqa:prefill_seconds_saved_total", {"tier": "redis"})
+    assert device == pytest.approx(0.3e-3 * 0.75) and device >= 0
+    assert redis == pytest.approx(0.3e-3 * 2.25)

@@ -15,8 +15,6 @@ def env(monkeypatch, tmp_path):
         "DOCQA_REDIS_PREFIX",
         "DOCQA_REDIS_TTL_S",
         "DOCQA_REDIS_MAX_GIB",
-        "DOCQA_ADVERTISE_URL",
-        "DOCQA_ROUTING",
         "DOCQA_API_KEYS",
         "DOCQA_KV_DTYPE",
         "DOCQA_BENCHMARK_WEIGHTS",
@@ -27,7 +25,7 @@ def env(monkeypatch, tmp_path):
 
 def test_no_redis_means_no_tier(env):
     s = Settings.from_env()
-    assert s.redis_url is None and s.tier_config() is None and s.routing
+    assert s.redis_url is None and s.tier_config() is None
 
 
 def test_tier_options_reach_the_engine(env):
@@ -35,7 +33,6 @@ def test_tier_options_reach_the_engine(env):
     env.setenv("DOCQA_REDIS_PREFIX", "team-a:")
     env.setenv("DOCQA_REDIS_TTL_S", "600")
     env.setenv("DOCQA_REDIS_MAX_GIB", "0.5")
-    env.setenv("DOCQA_ROUTING", "off")
     s = Settings.from_env()
     t = s.tier_config()
     assert (t.url, t.prefix, t.ttl_s, t.max_bytes) == (
@@ -44,7 +41,6 @@ def test_tier_options_reach_the_engine(env):
         600,
         2**29,
     )
-    assert s.routing is False
 
 
 @pytest.mark.parametrize(
@@ -53,7 +49,6 @@ def test_tier_options_reach_the_engine(env):
         ("DOCQA_REDIS_TTL_S", "soon", "DOCQA_REDIS_TTL_S must be a whole number"),
         ("DOCQA_REDIS_TTL_S", "0", "DOCQA_REDIS_TTL_S must be at least 1"),
         ("DOCQA_REDIS_MAX_GIB", "-1", "DOCQA_REDIS_MAX_GIB must be positive"),
-        ("DOCQA_ROUTING", "maybe", "DOCQA_ROUTING must be on or off"),
         ("DOCQA_KV_DTYPE", "int4", "must be one of float32, bfloat16, float16, int8, fp8"),
         ("DOCQA_BENCHMARK_WEIGHTS", "on", "--benchmark-weights needs a benchmark model"),
     ],

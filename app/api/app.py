@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from pathlib import Path
 
 from litestar import Litestar, MediaType, Response, Router, get
@@ -14,23 +15,33 @@ from litestar.openapi.plugins import SwaggerRenderPlugin
 from litestar.openapi.spec import Components, SecurityScheme
 from litestar.static_files import create_static_files_router
 
-from app.api.conversations import AskController, ConversationController, RequestController
+from app.api.conversations import (
+    AskController,
+    ConversationController,
+    ManualQuestionController,
+    RequestController,
+)
 from app.api.deps import auth_guard, not_draining, provide_qa, provide_tenant
 from app.api.errors import EXCEPTION_HANDLERS, error_response
 from app.api.manuals import ManualController
-from app.api.openai_compat import OpenAIController
+from app.api.openai_compat import ManualOpenAIController, OpenAIController
 from app.api.openapi import finish_openapi
 from app.api.request import DocqaRequest
 from app.api.schemas import EngineInfo
+from app.cancel_relay import CancelRelay
 from app.db import Database
 from app.engine_runner import EngineRunner
 from app.metrics import CONTENT_TYPE, ServiceMetrics
 from app.qa import QAService
-from app.replicas import REPLICA_HEADER, ReplicaRegistry
 from app.settings import Settings
 from inference.model.config import dtype_name
 
 log = logging.getLogger("docqa.api")
+
+# which replica served a response (every /v1 response's X-Docqa-Replica header, and /ready's
+# "replica"): behind a load balancer, which of them a manual's questions reach
+REPLICA_HEADER = "x-docqa-replica"
+REPLICA_ID = f"rep-{uuid.uuid4().hex[:12]}"
 
 MAX_MULTIPART_PARTS = 16  # an upload has two (file, title)
 
@@ -60,10 +71,12 @@ async def redis_tier_status(state: State) -> str:
         return engine.tier.status
     import redis.asyncio as aioredis
 
+    from prefix_store.redis_client import node_url
+
     client = state.get("redis_client")
-    if client is None:
+    if client is None:  # one node answers for a cluster too
         client = state.redis_client = aioredis.from_url(
-            url, socket_connect_timeout=0.5, socket_timeout=0.5
+            node_url(url)[0], socket_connect_timeout=0.5, socket_timeout=0.5
         )
     try:
         await client.ping()
@@ -88,9 +101,7 @@ async def ready(state: State) -> Response:
         "model": runner.model_name,
         "tiers": {"device": "ok", "redis": await redis_tier_status(state)},
     }
-    registry = state.qa.registry
-    if registry is not None:
-        body["replica"] = {"id": registry.id, "url": registry.url, "registered": registry.up}
+    body["replica"] = REPLICA_ID
     if runner.error:
         body["error"] = runner.error
     if draining or not runner.ready:
@@ -182,29 +193,22 @@ def create_app(settings: Settings | None = None, runner: EngineRunner | None = N
     db = Database(settings.database_url)
     qa = QAService(settings, db, runner)
     if settings.redis_url:
-        qa.registry = ReplicaRegistry(
-            settings.redis_url,
-            settings.redis_prefix,
-            settings.advertise_url or "http://127.0.0.1:8000",
-            runner,
-            routing=settings.routing,
-        )
+        qa.cancel_relay = CancelRelay(settings.redis_url, settings.redis_prefix, qa.cancel_local)
 
     def on_startup(app: Litestar) -> None:
         finish_openapi(app.openapi_schema, settings.max_tokens_cap)
         if runner.state == "loading" and not runner._thread.is_alive():
             runner.start()
-        if qa.registry is not None:
-            qa.registry.start()
+        if qa.cancel_relay is not None:
+            qa.cancel_relay.start()
 
     async def add_replica_header(response: Response) -> Response:
-        if qa.registry is not None and REPLICA_HEADER not in response.headers:
-            response.headers[REPLICA_HEADER] = qa.registry.id
+        response.headers[REPLICA_HEADER] = REPLICA_ID
         return response
 
     async def on_shutdown(app: Litestar) -> None:
-        if qa.registry is not None:
-            await qa.registry.stop()
+        if qa.cancel_relay is not None:
+            qa.cancel_relay.stop()
         runner.stop()
         await db.close()
         client = app.state.get("redis_client")
@@ -218,7 +222,9 @@ def create_app(settings: Settings | None = None, runner: EngineRunner | None = N
             ConversationController,
             AskController,
             RequestController,
+            ManualQuestionController,
             OpenAIController,
+            ManualOpenAIController,
             engine_info,
         ],
         guards=[not_draining, auth_guard],

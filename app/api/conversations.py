@@ -1,10 +1,11 @@
 """/v1/conversations and /v1/ask: questions about a manual, answered with the answer object
-(``app/answer.py``) as JSON, or as server-sent events with ``stream: true``."""
+(``app/answer.py``) as JSON, or as server-sent events with ``stream: true``; and the same under
+/v1/manuals/{manual_id}/ (``ManualQuestionController``), where a load balancer reads the manual
+from the path."""
 
-import asyncio
 from typing import Annotated
 
-from litestar import Controller, Request, Response, delete, get, post
+from litestar import Controller, Response, delete, get, post
 from sqlalchemy import delete as sa_delete
 from sqlalchemy import func, select
 
@@ -17,6 +18,8 @@ from app.api.schemas import (
     ConversationId,
     ConversationList,
     ConversationOut,
+    ManualAskCreate,
+    ManualId,
     MessageCreate,
     MessageOut,
     PageLimit,
@@ -24,7 +27,7 @@ from app.api.schemas import (
     RequestId,
     path_id,
 )
-from app.api.streaming import EventStream, forwarded, native_sse
+from app.api.streaming import EventStream, native_sse
 from app.db import Conversation, Manual, Message
 from app.db.models import new_id
 from app.errors import NotFound, ServiceError
@@ -84,14 +87,59 @@ def _job(
     )
 
 
-async def _respond(qa: QAService, job: Job, stream: bool, request: Request):
-    relayed = await forwarded(qa, job, request)
-    if relayed is not None:
-        return relayed
+async def _respond(qa: QAService, job: Job, stream: bool):
     handle, task = await qa.submit(job)
     if stream:
         return EventStream(native_sse(qa.events(handle, task)), request_id=job.request_id)
     return await task
+
+
+async def _new_conversation(qa: QAService, tenant: str, manual_id: str) -> ConversationOut:
+    await qa.get_manual(tenant, manual_id)
+    conv = Conversation(id=new_id("conv"), tenant=tenant, manual_id=manual_id)
+    async with qa.db.transaction() as s:
+        s.add(conv)
+    return ConversationOut(id=conv.id, manual_id=conv.manual_id, created_at=conv.created_at)
+
+
+async def _turn(
+    qa: QAService,
+    tenant: str,
+    conversation_id: str,
+    data: MessageCreate,
+    manual_id: str | None = None,
+) -> Answer | Response:
+    """The next turn of a conversation (of ``manual_id``, where the path names one: a
+    conversation of another manual is not found there)."""
+    question = _question(data.content)
+    async with qa.db.session() as s:
+        row = (
+            await s.execute(
+                select(Conversation, Manual)
+                .join(Manual, Manual.id == Conversation.manual_id)
+                .where(*_owned(conversation_id, tenant))
+            )
+        ).first()
+        if row is None or (manual_id is not None and row[0].manual_id != manual_id):
+            raise NotFound("conversation", conversation_id)
+        conv, manual = row
+        msgs = await _messages(s, conv.id)
+    job = _job(qa, tenant, data, manual, conv.manual_id, question, qa.history(msgs), conv.id)
+    return await _respond(qa, job, data.stream)
+
+
+async def _ask(qa: QAService, tenant: str, manual_id: str, data, question: str):
+    question = _question(question)
+    manual = await qa.prompt_manual(tenant, manual_id)
+    job = _job(qa, tenant, data, manual, manual_id, question, (), None)
+    return await _respond(qa, job, data.stream)
+
+
+async def _cancel(qa: QAService, tenant: str, request_id: str) -> CancelOut:
+    done = await qa.cancel(request_id, tenant)
+    if done is None:
+        raise NotFound("request", request_id)
+    return CancelOut(**done)
 
 
 class ConversationController(Controller):
@@ -100,11 +148,7 @@ class ConversationController(Controller):
 
     @post("/", summary="Start a conversation about a manual", operation_id="createConversation")
     async def create(self, qa: QAService, tenant: str, data: ConversationCreate) -> ConversationOut:
-        await qa.get_manual(tenant, data.manual_id)
-        conv = Conversation(id=new_id("conv"), tenant=tenant, manual_id=data.manual_id)
-        async with qa.db.transaction() as s:
-            s.add(conv)
-        return ConversationOut(id=conv.id, manual_id=conv.manual_id, created_at=conv.created_at)
+        return await _new_conversation(qa, tenant, data.manual_id)
 
     @get("/", summary="List conversations", operation_id="listConversations")
     async def list_conversations(
@@ -182,28 +226,9 @@ class ConversationController(Controller):
         ),
     )
     async def ask(
-        self,
-        qa: QAService,
-        tenant: str,
-        conversation_id: ConversationId,
-        data: MessageCreate,
-        request: Request,
+        self, qa: QAService, tenant: str, conversation_id: ConversationId, data: MessageCreate
     ) -> Answer | Response:
-        question = _question(data.content)
-        async with qa.db.session() as s:
-            row = (
-                await s.execute(
-                    select(Conversation, Manual)
-                    .join(Manual, Manual.id == Conversation.manual_id)
-                    .where(*_owned(conversation_id, tenant))
-                )
-            ).first()
-            if row is None:
-                raise NotFound("conversation", conversation_id)
-            conv, manual = row
-            msgs = await _messages(s, conv.id)
-        job = _job(qa, tenant, data, manual, conv.manual_id, question, qa.history(msgs), conv.id)
-        return await _respond(qa, job, data.stream, request)
+        return await _turn(qa, tenant, conversation_id, data)
 
 
 class AskController(Controller):
@@ -216,13 +241,8 @@ class AskController(Controller):
         operation_id="ask",
         summary="One question about a manual, without a conversation",
     )
-    async def ask(
-        self, qa: QAService, tenant: str, data: AskCreate, request: Request
-    ) -> Answer | Response:
-        question = _question(data.question)
-        manual = await qa.prompt_manual(tenant, data.manual_id)
-        job = _job(qa, tenant, data, manual, data.manual_id, question, (), None)
-        return await _respond(qa, job, data.stream, request)
+    async def ask(self, qa: QAService, tenant: str, data: AskCreate) -> Answer | Response:
+        return await _ask(qa, tenant, data.manual_id, data, data.question)
 
 
 class RequestController(Controller):
@@ -235,25 +255,66 @@ class RequestController(Controller):
         summary="Cancel a running answer",
         operation_id="cancelRequest",
     )
-    async def cancel(
-        self, qa: QAService, tenant: str, request_id: RequestId, request: Request
-    ) -> CancelOut:
+    async def cancel(self, qa: QAService, tenant: str, request_id: RequestId) -> CancelOut:
         """Stops the request (the answer object's ``id``) and frees its KV blocks at once; a
-        conversation turn is stored with finish reason ``cancelled``. A request forwarded to
-        another replica is cancelled there."""
-        handle = qa.runner.find(request_id)
-        reg = qa.registry
-        if handle is None and reg is not None and not reg.is_local_only(request.headers):
-            remote = await reg.forward_cancel(request_id, request.headers)
-            if remote is not None:
-                return CancelOut(**remote)
-        if handle is None or handle.owner != tenant:
-            raise NotFound("request", request_id)
-        handle.cancel()
-        done = await asyncio.shield(handle.final)
-        return CancelOut(
-            id=request_id,
-            cancelled=done.finish_reason == "cancelled",
-            finish_reason=done.finish_reason,
-            completion_tokens=len(done.output_token_ids),
-        )
+        conversation turn is stored with finish reason ``cancelled``. An answer running on
+        another replica (behind a load balancer) is cancelled there, found through Redis."""
+        return await _cancel(qa, tenant, request_id)
+
+
+class ManualQuestionController(Controller):
+    """The question routes with the manual's id in the path: a load balancer hashing on it
+    (the README's "Scaling out") sends every question about a manual, one-shot or in a
+    conversation, and its cancellation, to the replica holding that manual's cache. The same
+    answers as the routes without it."""
+
+    path = "/manuals/{manual_id:str}"
+    tags = ["questions"]
+
+    @post(
+        "/ask",
+        status_code=200,
+        operation_id="askAboutManual",
+        summary="One question about this manual, without a conversation",
+    )
+    async def ask(
+        self, qa: QAService, tenant: str, manual_id: ManualId, data: ManualAskCreate
+    ) -> Answer | Response:
+        return await _ask(qa, tenant, manual_id, data, data.question)
+
+    @post(
+        "/conversations",
+        operation_id="createManualConversation",
+        summary="Start a conversation about this manual",
+    )
+    async def create_conversation(
+        self, qa: QAService, tenant: str, manual_id: ManualId
+    ) -> ConversationOut:
+        return await _new_conversation(qa, tenant, manual_id)
+
+    @post(
+        "/conversations/{conversation_id:str}/messages",
+        status_code=200,
+        operation_id="askInManualConversation",
+        summary="Ask the next question in a conversation about this manual",
+    )
+    async def turn(
+        self,
+        qa: QAService,
+        tenant: str,
+        manual_id: ManualId,
+        conversation_id: ConversationId,
+        data: MessageCreate,
+    ) -> Answer | Response:
+        return await _turn(qa, tenant, conversation_id, data, manual_id)
+
+    @post(
+        "/requests/{request_id:str}/cancel",
+        status_code=200,
+        summary="Cancel a running answer about this manual",
+        operation_id="cancelManualRequest",
+    )
+    async def cancel(
+        self, qa: QAService, tenant: str, manual_id: ManualId, request_id: RequestId
+    ) -> CancelOut:
+        return await _cancel(qa, tenant, request_id)

@@ -15,6 +15,11 @@ MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens")
 _MANUAL = {"manual_id": "$response.body#/id"}
 _CONVERSATION = {"conversation_id": "$response.body#/id"}
 _ANSWER = {"request_id": "$response.body#/id"}
+_MANUAL_CONVERSATION = {
+    "manual_id": "$response.body#/manual_id",
+    "conversation_id": "$response.body#/id",
+}
+_MANUAL_ANSWER = {"manual_id": "$request.path.manual_id", "request_id": "$response.body#/id"}
 
 # (path, method, status) -> {link name: (operation id, parameters, request body)}
 LINKS: dict[tuple[str, str, str], dict[str, tuple[str, dict | None, dict | None]]] = {
@@ -26,6 +31,18 @@ LINKS: dict[tuple[str, str, str], dict[str, tuple[str, dict | None, dict | None]
         "DeleteManual": ("deleteManual", _MANUAL, None),
         "StartConversation": ("createConversation", None, _MANUAL),
         "Ask": ("ask", None, {**_MANUAL, "question": "What does this manual cover?"}),
+        "AskAboutManual": ("askAboutManual", _MANUAL, {"question": "What does this manual cover?"}),
+        "StartManualConversation": ("createManualConversation", _MANUAL, None),
+        "ManualChatCompletion": ("createManualChatCompletion", _MANUAL, None),
+    },
+    ("/v1/manuals/{manual_id}/conversations", "post", "201"): {
+        "AskInManualConversation": ("askInManualConversation", _MANUAL_CONVERSATION, None),
+    },
+    ("/v1/manuals/{manual_id}/ask", "post", "200"): {
+        "CancelAnswer": ("cancelManualRequest", _MANUAL_ANSWER, None),
+    },
+    ("/v1/manuals/{manual_id}/conversations/{conversation_id}/messages", "post", "200"): {
+        "CancelAnswer": ("cancelManualRequest", _MANUAL_ANSWER, None),
     },
     ("/v1/conversations", "post", "201"): {
         "GetConversation": ("getConversation", _CONVERSATION, None),

@@ -242,6 +242,12 @@ class AskCreate(AnswerOptions, kw_only=True):
     question: Question
 
 
+class ManualAskCreate(AnswerOptions, kw_only=True):
+    """A question about the manual the path names."""
+
+    question: Question
+
+
 class ChatCompletionCreate(Struct):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     model: str | None = None

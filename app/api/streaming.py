@@ -1,5 +1,4 @@
-"""Server-sent events and streamed responses: the service's answer events as the native SSE
-stream, and a peer replica's response relayed through."""
+"""Server-sent events: the service's answer events as the native SSE stream."""
 
 from __future__ import annotations
 
@@ -7,12 +6,10 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import msgspec
-from litestar import Request
 from litestar.response import Stream
 
 from app.api.errors import error_body
-from app.qa import AnswerDone, AnswerFailed, Event, Job, QAService, TokenText
-from app.replicas import Forwarded
+from app.qa import AnswerDone, AnswerFailed, Event, TokenText
 
 
 def sse(event: str | None, data) -> bytes:
@@ -57,24 +54,3 @@ class EventStream(_FixedMediaStream):
         if request_id:
             headers["X-Request-Id"] = request_id  # for POST /v1/requests/{id}/cancel
         super().__init__(content, "text/event-stream", headers=headers, **kwargs)
-
-
-class ForwardedStream(_FixedMediaStream):
-    """A peer replica's response, streamed through with its status and media type."""
-
-    def __init__(self, fwd: Forwarded):
-        super().__init__(fwd.body, fwd.media_type, status_code=fwd.status, headers=fwd.headers)
-
-
-async def forwarded(qa: QAService, job: Job, request: Request) -> ForwardedStream | None:
-    """The answer of the replica that holds a longer cached prefix of the job's prompt (the
-    request relayed there as it came); None to serve it here."""
-    reg = qa.registry
-    if reg is None or reg.is_local_only(request.headers):
-        return None
-    peer = await qa.route(job)
-    if peer is None:
-        return None
-    path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-    fwd = await reg.forward(peer, request.method, path, await request.body(), request.headers)
-    return ForwardedStream(fwd) if fwd is not None else None

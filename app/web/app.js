@@ -58,6 +58,9 @@ function describe(e) {
 
 const fmt = (n) => (typeof n === "number" ? n.toLocaleString("en-US") : String(n));
 const ms = (n) => `${fmt(Math.round(n))} ms`;
+// the selected manual's routes: behind a load balancer that hashes on the manual's id, its
+// questions reach the replica holding its cache (README, "Scaling out")
+const manualPath = () => `/v1/manuals/${encodeURIComponent(state.manual.id)}`;
 const seconds = (n) => (n >= 10000 ? `${fmt(Math.round(n / 1000))} s` : `${(n / 1000).toFixed(1)} s`);
 // how an answer's ttft_saved_ms was obtained (docs/interfaces.md)
 const SAVED_BASIS = { estimate: "estimated", cold_run: "capped by a measured cold run", none: "nothing cached" };
@@ -274,10 +277,9 @@ async function compareCold(li, a, button) {
   const out = el("div", { class: "compare", textContent: "Computing the same question cold…" });
   li.querySelector(".meta").append(out);
   try {
-    const cold = await api("/v1/ask", {
+    const cold = await api(`${manualPath()}/ask`, {
       method: "POST",
       json: {
-        manual_id: state.manual.id,
         question: li.dataset.question,
         max_tokens: Math.max(1, a.usage.completion_tokens),
         cache: "bypass",
@@ -298,7 +300,7 @@ async function compareCold(li, a, button) {
 
 async function ask(question) {
   if (!state.conversation) {
-    const conv = await api("/v1/conversations", { method: "POST", json: { manual_id: state.manual.id } });
+    const conv = await api(`${manualPath()}/conversations`, { method: "POST" });
     state.conversation = conv.id;
     const select = $("conversation-select");
     select.insertBefore(el("option", { value: conv.id, textContent: "this conversation" }), select.children[1] || null);
@@ -309,10 +311,10 @@ async function ask(question) {
   li.classList.add("streaming");
   $("messages").append(li);
   const controller = new AbortController();
-  state.running = { requestId: null, controller };
+  state.running = { requestId: null, controller, manualPath: manualPath() };
   setBusy(true);
   try {
-    const r = await fetch(`/v1/conversations/${state.conversation}/messages`, {
+    const r = await fetch(`${manualPath()}/conversations/${state.conversation}/messages`, {
       method: "POST",
       headers: headers({ "Content-Type": "application/json" }),
       body: JSON.stringify({
@@ -386,7 +388,7 @@ $("stop").addEventListener("click", async () => {
   if (!running?.requestId) return;
   $("stop").disabled = true;
   try {
-    await api(`/v1/requests/${running.requestId}/cancel`, { method: "POST" });
+    await api(`${running.manualPath}/requests/${running.requestId}/cancel`, { method: "POST" });
   } catch (e) {
     if (e.status !== 404) notice(describe(e)); // 404: it finished meanwhile
   }

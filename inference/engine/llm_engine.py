@@ -189,6 +189,13 @@ class LLMEngine:
             self.scheduler.abort(req)
             req.finish_reason = "abort"
             self.num_cancelled += 1
+            self._release_claim(req)
+
+    def _release_claim(self, req: Request) -> None:
+        """The request's claim in the second tier (it computed, or no longer computes, the
+        prefix other replicas may wait for) is released."""
+        if req.tier_claim is not None and self.tier_io is not None:
+            self.tier_io.release_claim(req)
 
     def release(self, req: Request) -> None:
         """Forget a finished request (its blocks are already freed)."""
@@ -241,6 +248,7 @@ class LLMEngine:
         if not req.finished:
             req.error = StepFailure(f"the engine failed this request: {cause}")
             self.scheduler.finish(req, "error")
+        self._release_claim(req)
         return req
 
     def _record_computed(self, sched: SchedulerOutput, model_s: float) -> None:
@@ -253,6 +261,7 @@ class LLMEngine:
         bs = self.kv_spec.block_size
         newly: list | None = [] if self.tier_io is not None and self.tier_io.up else None
         prefill_chunks = []
+        computed: list[Request] = []  # prompts done whose claims in the second tier go now
         for c in sched.chunks:
             req, n, ctx = c.request, c.num_new_tokens, c.num_context_tokens
             if not c.is_decode:
@@ -260,6 +269,8 @@ class LLMEngine:
                 req.times.prefill_s += model_s
                 prefill_chunks.append((n, ctx))
             req.num_computed_tokens = ctx + n
+            if req.tier_claim is not None and ctx + n >= req.num_prompt_tokens:
+                computed.append(req)
             if (ctx + n) // bs > ctx // bs:  # a block became full: hash and index it
                 try:
                     self.kv_manager.register_computed(
@@ -270,6 +281,8 @@ class LLMEngine:
                     self._fail(req, e)
         if newly:
             self.tier_io.write_through(newly)
+        for req in computed:  # after their last blocks are queued for Redis
+            self._release_claim(req)
         if prefill_chunks and len(prefill_chunks) == len(sched.chunks):
             self.cost_model.observe(prefill_chunks, model_s)
 

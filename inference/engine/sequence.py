@@ -58,6 +58,9 @@ class Request:
     # from admission; the hashes of blocks it loaded tell which cached tokens came from there
     tier_lookup: Any = None
     tier_loaded: set[bytes] = field(default_factory=set)
+    # the block hash this request claimed in the second tier (it computes that prefix; other
+    # replicas wait for it): released once its prompt is computed or it finishes
+    tier_claim: bytes | None = None
     num_tier_cached_tokens: int = 0  # of num_cached_tokens, those loaded from the second tier
 
     def prompt_hashes(self, hasher) -> list[bytes]:

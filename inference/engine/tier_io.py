@@ -3,7 +3,12 @@ pool, and write-through of newly indexed blocks.
 
 A request whose prompt reaches past the pool's longest cached prefix asks the tier for the
 blocks that follow (``start_lookup``); it is held back from admission until the answer is in,
-or ``TierConfig.lookup_wait_s`` has passed. Found blocks are copied into fresh blocks of the
+or ``TierConfig.lookup_wait_s`` has passed. Where the chain stops short, the lookup claims its
+first missing block for this process (``RedisTier.lookup``): the request computes it and the
+claim is released once its prompt is computed. Where another replica holds the claim, the
+request waits, polling, until the claim is gone (its blocks written) or
+``TierConfig.claim_wait_s`` has passed, and loads what the other replica wrote: replicas never
+compute one prefix twice at once. Found blocks are copied into fresh blocks of the
 pool under a hold (``prefix_store.Hold``) that also keeps the local prefix from eviction, then
 indexed like computed blocks, so admission finds them as a cached prefix. Newly indexed blocks
 are read out of the pool on the engine thread (before they can be reused) and written on the
@@ -24,9 +29,14 @@ from prefix_store import KVCacheManager, NoFreeBlocksError, RedisTier, TierBlock
 class TierLookup:
     """A request's lookup in flight."""
 
-    fetch: concurrent.futures.Future  # -> list[TierBlock], the blocks found in order
+    # -> (blocks found in order, the block hash claimed for this process or None, whether
+    # another process holds the claim); or, while waiting on a claim, -> bool (still held)
+    fetch: concurrent.futures.Future
     start_block: int  # the prompt's first block asked for (the local prefix's length)
     deadline: float  # perf_counter time after which the request computes what it lacks
+    claim: bytes | None = None  # the block another process claims, while waiting on it
+    poll_at: float = 0.0  # when to ask again whether the claim is held
+    waited: bool = False  # a lookup after a wait on a claim: not waited on again
 
 
 class TierIO:
@@ -47,29 +57,44 @@ class TierIO:
     def start_lookup(self, req: Request) -> None:
         """Ask the tier for the prompt's blocks past the local pool's longest prefix; the
         request is admitted once the answer is in (``install_ready``)."""
+        req.tier_lookup = self._lookup(req)
+        if req.tier_lookup is not None:
+            self._pending.append(req)
+
+    def _lookup(self, req: Request, after_wait: bool = False) -> TierLookup | None:
+        """The lookup of the prompt's blocks past the local prefix, None where the pool holds
+        them all. ``after_wait``: a lookup again after waiting on another replica's claim (it
+        is not waited on twice)."""
         kv = self.kv
         hashes = req.prompt_hashes(kv.hasher(req.namespace))
         max_blocks = (req.num_prompt_tokens - 1) // kv.block_size
         k = len(kv.find_cached_prefix(req.prompt_token_ids, req.namespace, hashes).blocks)
         if k >= max_blocks:
-            return
+            return None
         parent = hashes[k - 1] if k else kv.hasher(req.namespace).root
-        req.tier_lookup = TierLookup(
-            self.tier.fetch(hashes[k:max_blocks], parent),
+        return TierLookup(
+            self.tier.lookup(hashes[k:max_blocks], parent),
             k,
             time.perf_counter() + self.tier.config.lookup_wait_s,
+            waited=after_wait,
         )
-        self._pending.append(req)
 
     def install_ready(self) -> None:
         """Install the blocks that finished lookups found, release the requests whose lookup
-        finished or ran out of time."""
+        finished or ran out of time; poll the claims waited on."""
         now = time.perf_counter()
         still: list[Request] = []
         for req in self._pending:
             lookup = req.tier_lookup
             if req.finished:  # aborted while its lookup ran
                 req.tier_lookup = None
+            elif lookup.claim is not None:  # another replica is computing the prefix
+                if self._still_claimed(lookup, now):
+                    still.append(req)
+                else:  # released (its blocks written), or waited long enough: look again
+                    req.tier_lookup = self._lookup(req, after_wait=True)
+                    if req.tier_lookup is not None:
+                        still.append(req)
             elif not lookup.fetch.done():
                 if now > lookup.deadline:  # a slow Redis: compute instead of waiting
                     req.tier_lookup = None
@@ -77,11 +102,42 @@ class TierIO:
                 else:
                     still.append(req)
             else:
+                found, claimed, busy = lookup.fetch.result()
                 req.tier_lookup = None
-                found: list[TierBlock] = lookup.fetch.result()
                 if found:
                     self._install(req, lookup.start_block, found)
+                if claimed is not None:
+                    req.tier_claim = claimed
+                elif busy and not lookup.waited:
+                    hashes = req.prompt_hashes(self.kv.hasher(req.namespace))
+                    j = lookup.start_block + len(found)
+                    deadline = now + self.tier.config.claim_wait_s
+                    held = self.tier.claim_held(hashes[j])
+                    req.tier_lookup = TierLookup(held, j, deadline, hashes[j], now + 0.1)
+                    self.tier.claim_waits += 1
+                    still.append(req)
         self._pending = still
+
+    def _still_claimed(self, lookup: TierLookup, now: float) -> bool:
+        """Whether to keep waiting on another replica's claim: asked every 0.1 s until it is
+        released or the wait's deadline passes."""
+        if now > lookup.deadline:
+            return False
+        if not lookup.fetch.done():
+            return True
+        if not lookup.fetch.result():
+            return False
+        if now >= lookup.poll_at:
+            lookup.fetch = self.tier.claim_held(lookup.claim)
+            lookup.poll_at = now + 0.1
+        return True
+
+    def release_claim(self, req: Request) -> None:
+        """Release the request's claim (its prompt is computed, or it finished): after the
+        writes queued so far, so a replica waiting on it finds the blocks."""
+        if req.tier_claim is not None:
+            self.tier.release(req.tier_claim)
+            req.tier_claim = None
 
     def _install(self, req: Request, start: int, found: list[TierBlock]) -> None:
         kv = self.kv

@@ -1,0 +1,417 @@
+"""docqa scaled out on what operators run: three replicas behind HAProxy
+(deploy/haproxy/haproxy.cfg: consistent hashing on the manual, bounded loads) over one Postgres
+and a three-master Redis Cluster, all on loopback; the same load with round-robin balancing
+beside it, and the consistent run again with one replica killed half way.
+
+    .venv/bin/python bench/scale_out.py [--manuals 12] [--clients 16] [--questions 6]
+        [--balance consistent roundrobin] [--no-kill]
+
+The manuals are uploaded cold: the load's first questions about a manual are what computes it.
+The load: ``--clients`` clients, each asking ``--questions`` questions about manuals drawn at
+random (a seeded draw), one-shot on ``/v1/manuals/{id}/ask`` and turns of a conversation on
+``/v1/manuals/{id}/conversations/{cid}/messages`` in turn. Reported per balancing: the manual
+prefills computed cluster-wide per manual (an answer that computed its manual's whole prefix
+counts one; device and Redis hits count nothing), answers per replica and the busiest over the
+mean, the prompt tokens served from each tier, TTFT p50 and p90. The kill run reports the
+requests that failed (all in flight on the killed replica, or not), and for the manuals the
+killed replica had answered, their answers after the kill: how many found their prefix cached
+and the tokens read from Redis. Needs the Postgres at 127.0.0.1:5432 (a database of its own,
+dropped at the end), redis-server, redis-cli and haproxy. Writes JSON under bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime as dt
+import json
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from svc_helpers import (  # noqa: E402
+    HAProxy,
+    RedisCluster,
+    Server,
+    create_pg_database,
+    drop_pg_database,
+)
+
+RESULTS = Path(__file__).parent / "results"
+QUESTIONS = [
+    "Which mode keeps the water hottest?",
+    "How do I reset it?",
+    "What does error E2 mean?",
+    "What does error E9 mean?",
+    "How often should the filter be cleaned?",
+    "Which mode keeps the tank above 10 degrees?",
+]
+
+
+def manual_text(name: str, n: int = 8) -> str:
+    return (
+        f"The {name} heat pump has three modes. Eco keeps the water at 45 degrees. Boost heats "
+        f"to 60 degrees once and returns to Eco. Holiday keeps the tank above 10 degrees. To "
+        f"reset the {name}, hold MODE and OK for five seconds. Error E2 means low refrigerant "
+        f"pressure: call service. Error E9 means the inlet sensor is open. Clean the air filter "
+        f"every three months. "
+    ) * n
+
+
+DETECTION_S = 5.0  # the balancer's health checks: a replica down within 2 checks 1 s apart
+
+
+@dataclass
+class Stack:
+    redis: RedisCluster
+    servers: list[Server]
+    lb: HAProxy
+    ids: list[str] = field(default_factory=list)  # each server's replica id (x-docqa-replica)
+
+    def server(self, replica_id: str) -> Server:
+        return self.servers[self.ids.index(replica_id)]
+
+    def stop(self) -> None:
+        self.lb.stop()
+        for s in self.servers:
+            s.stop()
+        self.redis.stop()
+
+
+def start_stack(
+    tmp: Path,
+    db_url: str,
+    replicas: int = 3,
+    balance: str | None = None,
+    api_keys: str | None = None,
+) -> Stack:
+    """A Redis Cluster, ``replicas`` docqa servers on it and ``db_url`` (started side by side),
+    HAProxy in front (``balance``: its routing instead of the manual's hash)."""
+    redis = RedisCluster(tmp).start()
+    servers = [Server(tmp, db_url, api_keys, name=f"replica-{i}") for i in range(replicas)]
+    for i, s in enumerate(servers):
+        # the last one names the cluster outright, the others let docqa ask a node
+        url = redis.url.replace("redis://", "redis+cluster://") if i == replicas - 1 else redis.url
+        s.extra_env = {"DOCQA_REDIS_URL": url}
+    with concurrent.futures.ThreadPoolExecutor(replicas) as pool:
+        list(pool.map(lambda s: s.start(), servers))
+    lb = HAProxy(tmp, [(f"api{i}", s.port) for i, s in enumerate(servers)], balance).start()
+    ids = [httpx.get(s.url + "/ready", timeout=10).json()["replica"] for s in servers]
+    _wait_all_up(lb, len(servers))
+    return Stack(redis, servers, lb, ids)
+
+
+def _wait_all_up(lb: HAProxy, replicas: int, timeout: float = 30.0) -> None:
+    """Until the balancer has sent a request to every replica (its health checks have found
+    them all)."""
+    deadline = time.monotonic() + timeout
+    seen: set[str] = set()
+    with httpx.Client(base_url=lb.url, timeout=10) as c:
+        while len(seen) < replicas:
+            assert time.monotonic() < deadline, f"the balancer reached {len(seen)} replicas"
+            r = c.get("/health")
+            if r.status_code == 200:
+                seen.add(r.headers["x-docqa-replica"])
+            time.sleep(0.05)
+
+
+@dataclass
+class Result:
+    client: int
+    start: float
+    end: float
+    manual: str
+    kind: str  # ask | turn
+    status: int  # HTTP status, 0 for a connection that failed
+    replica: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    redis_tokens: int = 0
+    ttft_ms: float = 0.0
+    answer_id: str = ""
+    conversation: str = ""
+    error: str = ""
+
+
+@dataclass
+class Load:
+    """Clients asking at random about ``manuals`` until each has asked its questions (or
+    ``stop`` is set); results as they finish."""
+
+    url: str
+    manuals: list[dict]
+    clients: int
+    questions: int
+    seed: int = 0
+    max_tokens: int = 4
+    key: str | None = None  # an API key, where the replicas require one
+    results: list[Result] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def run(self) -> list[Result]:
+        threads = [threading.Thread(target=self._client, args=(i,)) for i in range(self.clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return self.results
+
+    def _client(self, i: int) -> None:
+        rng = random.Random(self.seed * 1000 + i)
+        convs: dict[str, str] = {}
+        headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
+        with httpx.Client(base_url=self.url, headers=headers, timeout=120) as c:
+            for q in range(self.questions):
+                if self.stop.is_set():
+                    return
+                m = rng.choice(self.manuals)["id"]
+                kind = "ask" if q % 2 == 0 else "turn"
+                body = {"max_tokens": self.max_tokens}
+                question = f"{rng.choice(QUESTIONS)} ({i}.{q})"
+                t0 = time.monotonic()
+                res = Result(i, t0, 0.0, m, kind, 0)
+                try:
+                    if kind == "ask":
+                        r = c.post(f"/v1/manuals/{m}/ask", json={**body, "question": question})
+                    else:
+                        if m not in convs:
+                            cr = c.post(f"/v1/manuals/{m}/conversations")
+                            cr.raise_for_status()
+                            convs[m] = cr.json()["id"]
+                        res.conversation = convs[m]
+                        path = f"/v1/manuals/{m}/conversations/{convs[m]}/messages"
+                        r = c.post(path, json={**body, "content": question})
+                    res.status = r.status_code
+                    res.replica = r.headers.get("x-docqa-replica", "")
+                    if r.status_code == 200:
+                        a = r.json()
+                        u = a["usage"]
+                        res.prompt_tokens = u["prompt_tokens"]
+                        res.cached_tokens = u["cached_tokens"]
+                        res.redis_tokens = u["cached_tokens_by_tier"]["redis"]
+                        res.ttft_ms = a["timings"]["ttft_ms"]
+                        res.answer_id = a["id"]
+                    else:
+                        res.error = r.text[:200]
+                except httpx.HTTPError as e:
+                    res.error = f"{type(e).__name__}: {e}"
+                res.end = time.monotonic()
+                with self.lock:
+                    self.results.append(res)
+
+
+def upload_manuals(url: str, n: int, key: str | None = None) -> list[dict]:
+    """``n`` manuals of distinct text, uploaded cold, each with ``prefix``: its prompt's fixed
+    part (system instructions and the manual) in tokens, from a warm of a probe manual."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with httpx.Client(base_url=url, headers=headers, timeout=120) as c:
+        probe = c.post("/v1/manuals", json={"title": "probe", "text": manual_text("PROBE", 1)})
+        probe.raise_for_status()
+        w = c.post(f"/v1/manuals/{probe.json()['id']}/warm").json()
+        instructions = w["prompt_tokens"] - probe.json()["tokens"]
+        out = []
+        for i in range(n):
+            text = f"Edition {uuid.uuid4().hex}\n" + manual_text(f"HX-{i}")
+            r = c.post("/v1/manuals", json={"title": f"pump {i}", "text": text})
+            r.raise_for_status()
+            m = r.json()
+            m["prefix"] = instructions + m["tokens"]
+            out.append(m)
+        return out
+
+
+def prefills(results: list[Result], manuals: list[dict], block: int = 16) -> dict[str, float]:
+    """Per manual, how many times its prefix was computed across the cluster: each answer adds
+    the share of the prefix it did not find cached (a block's rounding forgiven)."""
+    size = {m["id"]: m["prefix"] for m in manuals}
+    out = dict.fromkeys(size, 0.0)
+    for r in results:
+        if r.status == 200:
+            p = size[r.manual]
+            out[r.manual] += max(0, p - r.cached_tokens - block) / p
+    return out
+
+
+def summarize(results: list[Result], manuals: list[dict]) -> dict:
+    ok = [r for r in results if r.status == 200]
+    per_manual = prefills(results, manuals)
+    replicas: dict[str, int] = {}
+    for r in ok:
+        replicas[r.replica] = replicas.get(r.replica, 0) + 1
+    counts = list(replicas.values())
+    prompt = sum(r.prompt_tokens for r in ok) or 1
+    redis = sum(r.redis_tokens for r in ok)
+    device = sum(r.cached_tokens for r in ok) - redis
+    ttft = sorted(r.ttft_ms for r in ok)
+    return {
+        "answers": len(ok),
+        "failed": len(results) - len(ok),
+        "prefills_per_manual": statistics.mean(per_manual.values()),
+        "prefills_per_manual_max": max(per_manual.values()),
+        "answers_per_replica": sorted(counts, reverse=True),
+        "busiest_over_mean": max(counts) / statistics.mean(counts) if counts else 0.0,
+        "device_hit_share": device / prompt,
+        "redis_hit_share": redis / prompt,
+        "ttft_p50_ms": ttft[len(ttft) // 2] if ttft else 0.0,
+        "ttft_p90_ms": ttft[int(len(ttft) * 0.9)] if ttft else 0.0,
+    }
+
+
+@dataclass
+class KillRun:
+    """A load during which one replica was killed with SIGKILL."""
+
+    results: list[Result]
+    manuals: list[dict]
+    killed: str  # its replica id
+    at: float  # when it was gone (time.monotonic())
+
+
+def run_with_kill(
+    stack: Stack,
+    manuals: list[dict],
+    clients: int,
+    questions: int,
+    after: int,
+    seed: int = 1,
+    key: str | None = None,
+) -> KillRun:
+    """The load, with the replica that has served the most answers killed once ``after``
+    answers are in."""
+    load = Load(stack.lb.url, manuals, clients, questions, seed=seed, key=key)
+    t = threading.Thread(target=load.run)
+    t.start()
+    deadline = time.monotonic() + 600
+    while len(load.results) < after and t.is_alive():
+        assert time.monotonic() < deadline, "the load stalled before the kill"
+        time.sleep(0.05)
+    with load.lock:
+        served: dict[str, int] = {}
+        for r in load.results:
+            if r.status == 200:
+                served[r.replica] = served.get(r.replica, 0) + 1
+    victim = max(served, key=served.get)
+    proc = stack.server(victim).proc
+    proc.kill()
+    proc.wait()  # gone: a request sent from now on cannot reach it
+    at = time.monotonic()
+    t.join()
+    return KillRun(load.results, manuals, victim, at)
+
+
+def moved_answers(run: KillRun, settle_s: float = 0.5) -> list[Result]:
+    """The answers after the kill about the manuals the killed replica had answered (at least
+    ``settle_s`` before the kill, so their blocks had reached Redis)."""
+    moved = {
+        r.manual
+        for r in run.results
+        if r.status == 200 and r.replica == run.killed and r.end < run.at - settle_s
+    }
+    return [r for r in run.results if r.status == 200 and r.manual in moved and r.start > run.at]
+
+
+def kill_summary(run: KillRun, block: int = 16) -> dict:
+    failed = [r for r in run.results if r.status != 200]
+    size = {m["id"]: m["prefix"] for m in run.manuals}
+    after = moved_answers(run)
+    return {
+        "answers": sum(r.status == 200 for r in run.results),
+        "failed": len(failed),
+        "failed_in_flight": sum(r.start < run.at for r in failed),
+        "failed_in_window": sum(run.at <= r.start < run.at + DETECTION_S for r in failed),
+        "failed_after_window": sum(r.start >= run.at + DETECTION_S for r in failed),
+        "failure_statuses": sorted({r.status for r in failed}),
+        "moved_manuals": len({r.manual for r in after}),
+        "moved_answers": len(after),
+        "moved_answers_cold": sum(size[r.manual] - r.cached_tokens > block for r in after),
+        "moved_redis_tokens": sum(r.redis_tokens for r in after),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--manuals", type=int, default=12)
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--questions", type=int, default=6, help="per client")
+    ap.add_argument("--balance", nargs="+", default=["consistent", "roundrobin"])
+    ap.add_argument("--no-kill", action="store_true", help="skip the run with a replica killed")
+    ap.add_argument("--out", help="JSON path (default: bench/results/scale-out-DATE.json)")
+    args = ap.parse_args()
+    rows = {}
+    kill: dict = {}
+    for balance in args.balance:
+        db = create_pg_database()
+        tmp = Path(tempfile.mkdtemp(prefix="docqa-scale-"))
+        stack = start_stack(tmp, db, balance=None if balance == "consistent" else balance)
+        try:
+            manuals = upload_manuals(stack.lb.url, args.manuals)
+            t0 = time.monotonic()
+            results = Load(stack.lb.url, manuals, args.clients, args.questions).run()
+            row = summarize(results, manuals)
+            row["wall_s"] = time.monotonic() - t0
+            rows[balance] = row
+            print(balance, json.dumps(row), flush=True)
+            if balance == "consistent" and not args.no_kill:
+                fresh = upload_manuals(stack.lb.url, args.manuals)
+                run = run_with_kill(
+                    stack, fresh, args.clients, args.questions, after=args.clients * 2
+                )
+                kill = kill_summary(run)
+                print("kill", json.dumps(kill), flush=True)
+        finally:
+            stack.stop()
+            drop_pg_database(db)
+    print("\n| balancing | answers | prefills per manual (max) | answers per replica | busiest / "
+          "mean | device hits | Redis hits | TTFT p50 ms | p90 ms |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for b, r in rows.items():
+        print(
+            f"| {b} | {r['answers']} ({r['failed']} failed) | {r['prefills_per_manual']:.2f} "
+            f"({r['prefills_per_manual_max']:.2f}) | {r['answers_per_replica']} "
+            f"| {r['busiest_over_mean']:.2f} | {100 * r['device_hit_share']:.0f}% "
+            f"| {100 * r['redis_hit_share']:.0f}% | {r['ttft_p50_ms']:.0f} "
+            f"| {r['ttft_p90_ms']:.0f} |"
+        )
+    if kill:
+        print(
+            f"\none replica killed after {args.clients * 2} answers: {kill['answers']} answers, "
+            f"{kill['failed']} failed ({kill['failed_in_flight']} in flight on it, "
+            f"{kill['failed_in_window']} in the {DETECTION_S:.0f} s detection window, "
+            f"{kill['failed_after_window']} after; statuses {kill['failure_statuses']}); "
+            f"{kill['moved_manuals']} manuals moved, {kill['moved_answers']} answers about them "
+            f"after the kill, {kill['moved_answers_cold']} computed their prefix again, "
+            f"{kill['moved_redis_tokens']} tokens read from Redis"
+        )
+    RESULTS.mkdir(exist_ok=True)
+    out = Path(args.out) if args.out else RESULTS / f"scale-out-{dt.date.today().isoformat()}.json"
+    out.write_text(
+        json.dumps(
+            {
+                "machine": platform.processor() or platform.machine(),
+                "args": vars(args),
+                "rows": rows,
+                "kill": kill,
+            },
+            indent=2,
+        )
+    )
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
