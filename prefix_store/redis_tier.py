@@ -73,9 +73,11 @@ class TierConfig:
     batch_blocks: int = 32  # blocks per pipelined write or read
     # a request waits at most this long for its lookup; then it computes what it lacks
     lookup_wait_s: float = 2.0
-    # a prefix another replica claimed (it is computing it) is waited for this long at most,
-    # and a claim lapses after ``claim_ttl_s`` if its holder never releases it
-    claim_wait_s: float = 10.0
+    # a prefix another replica claimed (it is computing it) is waited for this long at most;
+    # a claim lapses ``claim_ttl_s`` after its holder last renewed it (a live holder renews
+    # it every third of that until its prompt is computed: a replica that died holds others
+    # up by ``claim_ttl_s`` at most)
+    claim_wait_s: float = 30.0
     claim_ttl_s: float = 10.0
 
     def __post_init__(self):
@@ -448,29 +450,47 @@ class RedisTier:
     def lookup(self, block_hashes: Sequence[bytes], parent: bytes) -> concurrent.futures.Future:
         """``fetch``, then, where the chain stops short, a claim on its first missing block:
         the future resolves to (the blocks found, the block hash this process now claims or
-        None, whether another process holds the claim). Never raises."""
+        None, the block hash another process claims or None). Another process computing this
+        chain is seen whether its claim is on the first missing block or on one it has
+        already written (it claimed the chain where its own lookup stopped). Never raises."""
         fut: concurrent.futures.Future
         if not block_hashes or not self._up or self._closing:
             fut = concurrent.futures.Future()
-            fut.set_result(([], None, False))
+            fut.set_result(([], None, None))
             return fut
         return self._loader.submit(self._lookup, list(block_hashes), parent)
 
     def _lookup(self, block_hashes: list[bytes], parent: bytes):
         found = self._fetch(block_hashes, parent)
         if len(found) == len(block_hashes) or not self._up:
-            return found, None, False
+            return found, None, None
         missing = block_hashes[len(found)]
-        key = self._claim_prefix + missing.hex().encode()
         ttl_ms = int(self.config.claim_ttl_s * 1000)
         try:
+            held = self._claimed_by_others(block_hashes[: len(found)])
+            if held is not None:
+                return found, None, held
+            key = self._claim_prefix + missing.hex().encode()
             if self._client.set(key, self.owner, nx=True, px=ttl_ms):
-                return found, missing, False
+                return found, missing, None
             holder = self._client.get(key)
         except self._redis_errors:
-            return found, None, False  # no claims without Redis: compute
+            return found, None, None  # no claims without Redis: compute
         busy = holder is not None and holder.decode() != self.owner
-        return found, None, busy
+        return found, None, missing if busy else None
+
+    def _claimed_by_others(self, block_hashes: list[bytes]) -> bytes | None:
+        """The last of these blocks another process claims, or None (one pipeline)."""
+        if not block_hashes:
+            return None
+        pipe = self._client.pipeline(transaction=False)
+        for h in block_hashes:
+            pipe.get(self._claim_prefix + h.hex().encode())
+        holders = pipe.execute(raise_on_error=False)
+        for h, holder in zip(reversed(block_hashes), reversed(holders), strict=True):
+            if isinstance(holder, bytes) and holder.decode() != self.owner:
+                return h
+        return None
 
     def claim_held(self, block_hash: bytes) -> concurrent.futures.Future:
         """Whether another process still claims ``block_hash`` (False when Redis fails)."""
@@ -491,6 +511,28 @@ class RedisTier:
             if self._up:
                 self._queue.append((block_hash, None))
                 self._lock.notify()
+
+    _RENEW = (
+        "if redis.call('get', KEYS[1]) == ARGV[1] then "
+        "return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+    )
+
+    def renew(self, block_hashes: Sequence[bytes]) -> None:
+        """Renew this process's claims on ``block_hashes`` for ``claim_ttl_s`` more (on the
+        loader thread; a failure only lets a claim lapse)."""
+        if not block_hashes or not self._up or self._closing:
+            return
+        ttl_ms = int(self.config.claim_ttl_s * 1000)
+
+        def renew() -> None:
+            for h in block_hashes:
+                key = self._claim_prefix + h.hex().encode()
+                try:
+                    self._client.eval(self._RENEW, 1, key, self.owner, ttl_ms)
+                except self._redis_errors:
+                    return
+
+        self._loader.submit(renew)
 
     _RELEASE = (
         "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end "

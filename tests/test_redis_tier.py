@@ -123,8 +123,9 @@ def test_a_prefix_another_engine_is_computing_is_waited_for_not_computed_twice(
     default_model_dir, prefix
 ):
     """Two engines (two replicas) get the same cold prompt at once: the first claims it and
-    computes it in 64-token chunks; the second waits on the claim, then loads what the first
-    wrote and computes only the rest, answering as a cold run would."""
+    computes it in 64-token chunks; the second, finding the first chunk's blocks written and
+    the claim on the first of them, waits on it, then loads what the first wrote and computes
+    only the rest, answering as a cold run would."""
     a = _engine(default_model_dir, prefix, max_num_batched_tokens=64, calibrate_prefill_cost=False)
     b = _engine(default_model_dir, prefix, calibrate_prefill_cost=False)
     try:
@@ -137,6 +138,8 @@ def test_a_prefix_another_engine_is_computing_is_waited_for_not_computed_twice(
             assert time.monotonic() < deadline
             a.step()
         assert ra.tier_claim is not None and ra.num_computed_tokens < len(ids)
+        # its first blocks are in Redis already: B finds them, and A's claim on the first
+        assert a.tier.flush().result(30)
         rb = b.add_request(ids, params)
         while b.tier.claim_waits == 0:  # B's lookup finds A's claim and waits on it
             assert time.monotonic() < deadline
@@ -159,6 +162,33 @@ def test_a_prefix_another_engine_is_computing_is_waited_for_not_computed_twice(
     finally:
         a.close()
         b.close()
+
+
+def test_a_claim_lives_while_renewed_and_lapses_after(prefix):
+    from prefix_store.redis_tier import RedisTier
+
+    cfg = TierConfig(url=REDIS_URL, prefix=prefix, claim_ttl_s=0.6)
+    holder = RedisTier(cfg, b"f" * 16, 16, 64)
+    other = RedisTier(cfg, b"f" * 16, 16, 64)
+    try:
+        h = b"\x01" * 16
+        found, claimed, busy = holder.lookup([h], b"\x00" * 16).result(10)
+        assert (found, claimed, busy) == ([], h, None)
+        assert other.lookup([h], b"\x00" * 16).result(10) == ([], None, h)
+        for _ in range(4):  # 1.2 s, twice the claim's life, renewed every 0.3 s
+            time.sleep(0.3)
+            holder.renew([h])
+        time.sleep(0.1)
+        assert other.claim_held(h).result(10)
+        deadline = time.monotonic() + 10
+        while other.claim_held(h).result(10):  # no longer renewed: it lapses
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        other.renew([h])  # another process's renewal takes nothing
+        assert not other.claim_held(h).result(10)
+    finally:
+        holder.close()
+        other.close()
 
 
 def test_memory_cap_trims_the_oldest_blocks(default_model_dir, prefix):

@@ -7,12 +7,13 @@ or ``TierConfig.lookup_wait_s`` has passed. Where the chain stops short, the loo
 first missing block for this process (``RedisTier.lookup``): the request computes it and the
 claim is released once its prompt is computed. Where another replica holds the claim, the
 request waits, polling, until the claim is gone (its blocks written) or
-``TierConfig.claim_wait_s`` has passed, and loads what the other replica wrote: replicas never
-compute one prefix twice at once. Found blocks are copied into fresh blocks of the
-pool under a hold (``prefix_store.Hold``) that also keeps the local prefix from eviction, then
-indexed like computed blocks, so admission finds them as a cached prefix. Newly indexed blocks
-are read out of the pool on the engine thread (before they can be reused) and written on the
-tier's own thread. Redis I/O never runs on the step path.
+``TierConfig.claim_wait_s`` has passed (the holder renews its claim while it works, so a
+claim outlives ``claim_ttl_s`` only while its holder is alive), and loads what the other
+replica wrote: replicas never compute one prefix twice at once. Found blocks are copied into
+fresh blocks of the pool under a hold (``prefix_store.Hold``) that also keeps the local prefix
+from eviction, then indexed like computed blocks, so admission finds them as a cached prefix.
+Newly indexed blocks are read out of the pool on the engine thread (before they can be reused)
+and written on the tier's own thread. Redis I/O never runs on the step path.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from prefix_store import KVCacheManager, NoFreeBlocksError, RedisTier, TierBlock
 class TierLookup:
     """A request's lookup in flight."""
 
-    # -> (blocks found in order, the block hash claimed for this process or None, whether
-    # another process holds the claim); or, while waiting on a claim, -> bool (still held)
+    # -> (blocks found in order, the block hash claimed for this process or None, the block
+    # hash another process claims or None); or, while waiting on a claim, -> bool (still held)
     fetch: concurrent.futures.Future
     start_block: int  # the prompt's first block asked for (the local prefix's length)
     deadline: float  # perf_counter time after which the request computes what it lacks
@@ -45,6 +46,8 @@ class TierIO:
         self.kv = kv
         self.runner = runner  # reads and writes blocks' K/V (``ModelRunner.read_blocks``)
         self._pending: list[Request] = []  # requests whose lookup is in flight
+        self._claimants: dict[str, Request] = {}  # requests holding a claim, by id
+        self._renew_at = 0.0  # when to renew their claims next
 
     @property
     def up(self) -> bool:
@@ -81,8 +84,11 @@ class TierIO:
 
     def install_ready(self) -> None:
         """Install the blocks that finished lookups found, release the requests whose lookup
-        finished or ran out of time; poll the claims waited on."""
+        finished or ran out of time; poll the claims waited on, renew those held."""
         now = time.perf_counter()
+        if self._claimants and now >= self._renew_at:
+            self._renew_at = now + self.tier.config.claim_ttl_s / 3
+            self.tier.renew([r.tier_claim for r in self._claimants.values() if r.tier_claim])
         still: list[Request] = []
         for req in self._pending:
             lookup = req.tier_lookup
@@ -108,12 +114,12 @@ class TierIO:
                     self._install(req, lookup.start_block, found)
                 if claimed is not None:
                     req.tier_claim = claimed
-                elif busy and not lookup.waited:
-                    hashes = req.prompt_hashes(self.kv.hasher(req.namespace))
+                    self._claimants[req.request_id] = req
+                elif busy is not None and not lookup.waited:
                     j = lookup.start_block + len(found)
                     deadline = now + self.tier.config.claim_wait_s
-                    held = self.tier.claim_held(hashes[j])
-                    req.tier_lookup = TierLookup(held, j, deadline, hashes[j], now + 0.1)
+                    held = self.tier.claim_held(busy)
+                    req.tier_lookup = TierLookup(held, j, deadline, busy, now + 0.1)
                     self.tier.claim_waits += 1
                     still.append(req)
         self._pending = still
@@ -135,6 +141,7 @@ class TierIO:
     def release_claim(self, req: Request) -> None:
         """Release the request's claim (its prompt is computed, or it finished): after the
         writes queued so far, so a replica waiting on it finds the blocks."""
+        self._claimants.pop(req.request_id, None)
         if req.tier_claim is not None:
             self.tier.release(req.tier_claim)
             req.tier_claim = None
