@@ -324,10 +324,24 @@ def moved_answers(run: KillRun, settle_s: float = 0.5) -> list[Result]:
     return [r for r in run.results if r.status == 200 and r.manual in moved and r.start > run.at]
 
 
+def first_on_replica(run: KillRun, answers: list[Result]) -> list[Result]:
+    """Of ``answers`` (after the kill), the first on each replica about each manual, where that
+    replica had not answered about the manual before the kill: what it could only have found
+    in Redis (or computed)."""
+    seen = {(r.manual, r.replica) for r in run.results if r.status == 200 and r.start < run.at}
+    out = []
+    for r in sorted(answers, key=lambda r: r.start):
+        if (r.manual, r.replica) not in seen:
+            seen.add((r.manual, r.replica))
+            out.append(r)
+    return out
+
+
 def kill_summary(run: KillRun, block: int = 16) -> dict:
     failed = [r for r in run.results if r.status != 200]
     size = {m["id"]: m["prefix"] for m in run.manuals}
     after = moved_answers(run)
+    firsts = first_on_replica(run, after)
     return {
         "answers": sum(r.status == 200 for r in run.results),
         "failed": len(failed),
@@ -339,6 +353,8 @@ def kill_summary(run: KillRun, block: int = 16) -> dict:
         "moved_answers": len(after),
         "moved_answers_cold": sum(size[r.manual] - r.cached_tokens > block for r in after),
         "moved_redis_tokens": sum(r.redis_tokens for r in after),
+        "moved_first_on_replica": len(firsts),
+        "moved_first_redis_tokens": sum(r.redis_tokens for r in firsts),
     }
 
 
@@ -394,7 +410,9 @@ def main() -> int:
             f"{kill['failed_after_window']} after; statuses {kill['failure_statuses']}); "
             f"{kill['moved_manuals']} manuals moved, {kill['moved_answers']} answers about them "
             f"after the kill, {kill['moved_answers_cold']} computed their prefix again, "
-            f"{kill['moved_redis_tokens']} tokens read from Redis"
+            f"{kill['moved_redis_tokens']} tokens read from Redis "
+            f"({kill['moved_first_redis_tokens']} by the {kill['moved_first_on_replica']} "
+            f"first answers on a replica that had not held the manual)"
         )
     RESULTS.mkdir(exist_ok=True)
     out = Path(args.out) if args.out else RESULTS / f"scale-out-{dt.date.today().isoformat()}.json"

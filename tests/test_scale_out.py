@@ -206,9 +206,11 @@ def test_load_then_a_replica_killed_mid_run(stack: Stack, pg_url):
         assert r.status == 502 or r.error.startswith("RemoteProtocolError"), r
         assert r.start < run.at and r.end - run.at < scale_out.DETECTION_S, r
     assert kill["answers"] >= 16 * 6 - len(failed)
-    # its manuals moved: served from Redis, none computed again
-    assert kill["moved_answers"] > 0 and kill["moved_redis_tokens"] > 0, kill
-    assert kill["moved_answers_cold"] == 0, kill
+    # its manuals moved, none computed again: a replica that already held one (bounded loads
+    # spread busy manuals) answered from its pool, one that did not read it from Redis
+    assert kill["moved_answers"] > 0 and kill["moved_answers_cold"] == 0, kill
+    if kill["moved_first_on_replica"]:
+        assert kill["moved_first_redis_tokens"] > 0, kill
     # every turn acknowledged to a client is in Postgres
     acked = [r.answer_id for r in run.results if r.status == 200 and r.kind == "turn"]
     assert acked and _stored_message_ids(pg_url, acked) == set(acked)
