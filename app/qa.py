@@ -4,7 +4,7 @@ generates: reads happen before submission, the turn is written after the answer 
 (or cancelled).
 
 The service knows nothing of HTTP: it raises ``app.errors`` and yields plain events
-(``TokenText``, ``AnswerDone``, ``AnswerFailed``); the API layer turns them into status codes
+(``app.answer_events``); the API layer turns them into status codes
 and server-sent events."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 
 from app.answer import Answer, Timings, Usage
+from app.answer_events import AnswerDone, AnswerFailed, Event, IncrementalDecoder, TokenText
 from app.db import Conversation, Database, Manual, Message
 from app.db.models import new_id
 from app.engine_runner import Completion, EngineRunner, RequestHandle
@@ -59,57 +60,6 @@ class Job:
     tenant: str | None = None  # who may cancel it
     warnings: list[str] = field(default_factory=list)
     manual_id: str | None = None  # the manual whose ledger the answer adds to
-
-
-class IncrementalDecoder:
-    """Text deltas of a growing list of token ids; holds back an incomplete UTF-8 sequence.
-
-    Each push decodes a window of the ids, not all of them: the text of ``ids[start:read]``
-    has been given out already, ``ids[start:]`` is decoded, and what follows that text is the
-    delta; the window then moves to the ids just given out. Both texts are decoded from the
-    same first id, so a decoder that treats a sequence's start apart (a leading space) does it
-    to both alike, and a window starts where a delta ended, on a whole character. A step costs
-    the same at the thousandth token of an answer as at the first."""
-
-    def __init__(self, tokenizer):
-        self.tok = tokenizer
-        self.ids: list[int] = []
-        self.start = 0  # the window's first id
-        self.read = 0  # ids whose text has been given out
-
-    def push(self, ids: Sequence[int]) -> str:
-        self.ids.extend(ids)
-        before = self.tok.decode(self.ids[self.start : self.read])
-        text = self.tok.decode(self.ids[self.start :])
-        if text.endswith("\ufffd") or len(text) <= len(before) or not text.startswith(before):
-            return ""
-        self.start, self.read = self.read, len(self.ids)
-        return text[len(before) :]
-
-
-@dataclass(frozen=True)
-class TokenText:
-    """More of the answer's text."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class AnswerDone:
-    """The whole answer object, last."""
-
-    answer: Answer
-
-
-@dataclass(frozen=True)
-class AnswerFailed:
-    """The engine failed the request; nothing more follows."""
-
-    code: str
-    message: str
-
-
-Event = TokenText | AnswerDone | AnswerFailed
 
 
 class QAService:

@@ -12,22 +12,17 @@ index live on one master, the groups spread over the masters, and every read or 
 pipeline, split by master. A group whose master is gone answers nothing: its blocks are misses
 (computed again) and its writes are dropped, while the other groups serve on.
 
-where the header carries a magic, a format version, the block size, the payload length and the
-parent hash. A reader verifies all of them (and the caller checks the token ids against its own
-prompt), so a hit is only taken for exactly the tokens that produced it. Because the namespace
-(tenant) is folded into the root of every hash chain, tenants never share keys.
+where the header (``prefix_store.tier_block``) lets a reader verify the block was written for
+exactly these tokens. Because the namespace (tenant) is folded into the root of every hash
+chain, tenants never share keys.
 
 Redis I/O never runs on the engine thread's step path: writes go to a writer thread through a
 bounded queue, lookups run on a loader thread and hand back a future. Any failure (absent,
 slow, full) degrades the tier: writes are dropped, lookups answer "nothing", a warning is
 logged once, and a health thread pings until Redis answers again.
 
-Replicas do not compute the same prefix at once: a lookup that finds the chain missing from
-some block on claims that block (``{prefix}claim:{hash}``, SET NX with a TTL) before its
-request computes it; another replica's lookup that finds the claim taken waits, polling, until
-the holder releases it (after its request's prompt is computed and its blocks are written
-through) or it lapses, then loads what the holder wrote (``TierIO``). Claims of this process's
-own requests are left to the engine's scheduler, which never prefills a shared prefix twice.
+Replicas do not compute the same prefix at once: lookups claim what they will compute
+(``prefix_store.tier_claims``).
 
 Memory is bounded twice: every key has a TTL, and each group's sorted set of keys by last use
 lets the writer trim its oldest blocks once the group holds more than its share of
@@ -40,84 +35,28 @@ import concurrent.futures
 import contextlib
 import logging
 import os
-import struct
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
-
-import numpy as np
 
 from prefix_store.redis_client import node_url, redis_client
+from prefix_store.tier_block import (
+    TierBlock,
+    TierConfig,
+    decode_block,
+    encode_block,
+    value_size,
+)
+from prefix_store.tier_claims import TierClaims
 
 log = logging.getLogger("docqa.tier")
 
 GROUPS = 16  # slot groups: hash tags the blocks spread over (a cluster's masters share them)
 DEAD_GROUP_S = 2.0  # a group whose master did not answer is skipped this long
-_MAGIC = b"DQKV"
-_VERSION = 1
-_HEADER = struct.Struct("<4sHHI16s")  # magic, version, block size, payload bytes, parent hash
 
 
-@dataclass(frozen=True)
-class TierConfig:
-    url: str
-    prefix: str = "docqa:"  # key prefix; tests use one of their own per run
-    ttl_s: int = 24 * 3600
-    max_bytes: int = 2 * 2**30  # blocks beyond this are trimmed, least recently used first
-    timeout_s: float = 2.0  # socket timeout of every Redis call
-    max_pending_bytes: int = 256 * 2**20  # writes queued beyond this are dropped
-    retry_s: float = 1.0  # how often a degraded tier checks whether Redis is back
-    batch_blocks: int = 32  # blocks per pipelined write or read
-    # a request waits at most this long for its lookup; then it computes what it lacks
-    lookup_wait_s: float = 2.0
-    # a prefix another replica claimed (it is computing it) is waited for this long at most;
-    # a claim lapses ``claim_ttl_s`` after its holder last renewed it (a live holder renews
-    # it every third of that until its prompt is computed: a replica that died holds others
-    # up by ``claim_ttl_s`` at most)
-    claim_wait_s: float = 30.0
-    claim_ttl_s: float = 10.0
-
-    def __post_init__(self):
-        if self.ttl_s < 1:
-            raise ValueError(f"the Redis tier TTL must be at least 1 s, got {self.ttl_s}")
-        if self.max_bytes < 1:
-            raise ValueError("the Redis tier memory cap must be positive")
-
-
-class TierBlock(NamedTuple):
-    block_hash: bytes
-    parent_hash: bytes
-    token_ids: tuple[int, ...]
-    payload: bytes | memoryview  # the block's K/V for all layers
-
-
-def encode_block(block: TierBlock, block_size: int) -> bytes:
-    payload = memoryview(block.payload).cast("B")
-    ids = np.asarray(block.token_ids, dtype="<i4").tobytes()
-    head = _HEADER.pack(_MAGIC, _VERSION, block_size, len(payload), block.parent_hash)
-    return b"".join((head, ids, payload))
-
-
-def decode_block(
-    block_hash: bytes, value: bytes, block_size: int, payload_bytes: int
-) -> TierBlock | None:
-    """The block stored under ``block_hash``, or None when the value is not one docqa wrote
-    for this block size and payload size."""
-    if len(value) != _HEADER.size + 4 * block_size + payload_bytes:
-        return None
-    magic, version, bs, n, parent = _HEADER.unpack_from(value)
-    if magic != _MAGIC or version != _VERSION or bs != block_size or n != payload_bytes:
-        return None
-    off = _HEADER.size
-    ids = tuple(np.frombuffer(value, dtype="<i4", count=block_size, offset=off).tolist())
-    payload = memoryview(value)[off + 4 * block_size :]
-    return TierBlock(block_hash, parent, ids, payload)
-
-
-class RedisTier:
+class RedisTier(TierClaims):
     """Write-through and lookup of full KV blocks for one model fingerprint."""
 
     def __init__(
@@ -128,7 +67,7 @@ class RedisTier:
         self.config = config
         self.block_size = block_size
         self.payload_bytes = payload_bytes
-        self.value_bytes = _HEADER.size + 4 * block_size + payload_bytes
+        self.value_bytes = value_size(block_size, payload_bytes)
         self.max_blocks = max(1, config.max_bytes // self.value_bytes)
         self._group_blocks = max(1, self.max_blocks // GROUPS)  # each group's share of the cap
         fp = model_fingerprint.hex()[:32]
@@ -445,103 +384,6 @@ class RedisTier:
         for g, keys in by_group.items():
             cmds.append((g, "zadd", (self._lru_keys[g], keys), {"xx": True}))
         self._run(cmds)
-
-    # -- claims -------------------------------------------------------------------------------
-    def lookup(self, block_hashes: Sequence[bytes], parent: bytes) -> concurrent.futures.Future:
-        """``fetch``, then, where the chain stops short, a claim on its first missing block:
-        the future resolves to (the blocks found, the block hash this process now claims or
-        None, the block hash another process claims or None). Another process computing this
-        chain is seen whether its claim is on the first missing block or on one it has
-        already written (it claimed the chain where its own lookup stopped). Never raises."""
-        fut: concurrent.futures.Future
-        if not block_hashes or not self._up or self._closing:
-            fut = concurrent.futures.Future()
-            fut.set_result(([], None, None))
-            return fut
-        return self._loader.submit(self._lookup, list(block_hashes), parent)
-
-    def _lookup(self, block_hashes: list[bytes], parent: bytes):
-        found = self._fetch(block_hashes, parent)
-        if len(found) == len(block_hashes) or not self._up:
-            return found, None, None
-        missing = block_hashes[len(found)]
-        ttl_ms = int(self.config.claim_ttl_s * 1000)
-        try:
-            held = self._claimed_by_others(block_hashes[: len(found)])
-            if held is not None:
-                return found, None, held
-            key = self._claim_prefix + missing.hex().encode()
-            if self._client.set(key, self.owner, nx=True, px=ttl_ms):
-                return found, missing, None
-            holder = self._client.get(key)
-        except self._redis_errors:
-            return found, None, None  # no claims without Redis: compute
-        busy = holder is not None and holder.decode() != self.owner
-        return found, None, missing if busy else None
-
-    def _claimed_by_others(self, block_hashes: list[bytes]) -> bytes | None:
-        """The last of these blocks another process claims, or None (one pipeline)."""
-        if not block_hashes:
-            return None
-        pipe = self._client.pipeline(transaction=False)
-        for h in block_hashes:
-            pipe.get(self._claim_prefix + h.hex().encode())
-        holders = pipe.execute(raise_on_error=False)
-        for h, holder in zip(reversed(block_hashes), reversed(holders), strict=True):
-            if isinstance(holder, bytes) and holder.decode() != self.owner:
-                return h
-        return None
-
-    def claim_held(self, block_hash: bytes) -> concurrent.futures.Future:
-        """Whether another process still claims ``block_hash`` (False when Redis fails)."""
-
-        def held() -> bool:
-            try:
-                holder = self._client.get(self._claim_prefix + block_hash.hex().encode())
-            except self._redis_errors:
-                return False
-            return holder is not None and holder.decode() != self.owner
-
-        return self._loader.submit(held)
-
-    def release(self, block_hash: bytes) -> None:
-        """Release this process's claim on ``block_hash`` once the writes queued before are in
-        Redis (so a process waiting on it finds the blocks)."""
-        with self._lock:
-            if self._up:
-                self._queue.append((block_hash, None))
-                self._lock.notify()
-
-    _RENEW = (
-        "if redis.call('get', KEYS[1]) == ARGV[1] then "
-        "return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
-    )
-
-    def renew(self, block_hashes: Sequence[bytes]) -> None:
-        """Renew this process's claims on ``block_hashes`` for ``claim_ttl_s`` more (on the
-        loader thread; a failure only lets a claim lapse)."""
-        if not block_hashes or not self._up or self._closing:
-            return
-        ttl_ms = int(self.config.claim_ttl_s * 1000)
-
-        def renew() -> None:
-            for h in block_hashes:
-                key = self._claim_prefix + h.hex().encode()
-                try:
-                    self._client.eval(self._RENEW, 1, key, self.owner, ttl_ms)
-                except self._redis_errors:
-                    return
-
-        self._loader.submit(renew)
-
-    _RELEASE = (
-        "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end "
-        "return 0"
-    )
-
-    def _release_claim(self, block_hash: bytes) -> None:
-        key = self._claim_prefix + block_hash.hex().encode()
-        self._client.eval(self._RELEASE, 1, key, self.owner)
 
     def count_present(self, block_hashes: Sequence[bytes]) -> int:
         """How many of these blocks Redis holds (a blocking call; not for the engine thread)."""

@@ -11,7 +11,7 @@ from svc_helpers import REDIS_URL, RUN_REDIS_PREFIX, RedisServer, delete_prefix,
 
 from inference import EngineConfig, LLMEngine, SamplingParams
 from prefix_store import TierBlock, TierConfig
-from prefix_store.redis_tier import decode_block, encode_block
+from prefix_store.tier_block import decode_block, encode_block
 from prompts import PromptBuilder
 
 MANUAL = (

@@ -40,7 +40,7 @@ def test_merges_agree_with_transformers_on_digit_free_text(default_model_dir, to
 def test_incremental_decoder_gives_the_whole_text_in_deltas(tokenizer):
     """Streamed deltas, token by token or a few tokens at a time, add up to the whole decode,
     multi-byte characters held back until complete, and each push decodes a short window."""
-    from app.qa import IncrementalDecoder
+    from app.answer_events import IncrementalDecoder
 
     text = "Grüße, naïve café — 東京 🚀🚀 done.\n\n  indented\tTab " * 40
     ids = tokenizer.encode(text)

@@ -14,11 +14,12 @@ import uuid
 import msgspec
 from litestar import Controller, Response, get, post
 
+from app.answer_events import AnswerDone, AnswerFailed, TokenText
 from app.api.errors import error_body
 from app.api.schemas import ChatCompletionCreate, ChatMessage, ManualId, ModelCard, ModelList
 from app.api.streaming import EventStream, sse
 from app.errors import NotFound, ServiceError
-from app.qa import AnswerDone, AnswerFailed, Job, QAService, TokenText
+from app.qa import Job, QAService
 from prompts import BuiltPrompt, Turn
 
 _FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 import msgspec
 from litestar.response import Stream
 
+from app.answer_events import AnswerDone, AnswerFailed, Event, TokenText
 from app.api.errors import error_body
-from app.qa import AnswerDone, AnswerFailed, Event, TokenText
 
 
 def sse(event: str | None, data) -> bytes:

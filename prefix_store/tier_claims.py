@@ -1,0 +1,117 @@
+"""Claims on a prefix being computed, the Redis tier's part in computing each prefix once
+across replicas.
+
+Replicas do not compute the same prefix at once: a lookup that finds the chain missing from
+some block on claims that block (``{prefix}claim:{hash}``, SET NX with a TTL, renewed while its
+request computes) before that request computes it; another replica's lookup that finds the
+claim taken, on that block or on one the holder has written already, waits, polling, until the
+holder releases it (after its request's prompt is computed and its blocks are written through)
+or it lapses, then loads what the holder wrote (``TierIO``). Claims of this process's own
+requests are left to the engine's scheduler, which never prefills a shared prefix twice.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Sequence
+
+
+class TierClaims:
+    """The claim operations of ``RedisTier`` (a part of it: they use its client, its loader
+    thread, its owner id, its write queue and its ``_fetch``)."""
+
+    def lookup(self, block_hashes: Sequence[bytes], parent: bytes) -> concurrent.futures.Future:
+        """``fetch``, then, where the chain stops short, a claim on its first missing block:
+        the future resolves to (the blocks found, the block hash this process now claims or
+        None, the block hash another process claims or None). Another process computing this
+        chain is seen whether its claim is on the first missing block or on one it has
+        already written (it claimed the chain where its own lookup stopped). Never raises."""
+        fut: concurrent.futures.Future
+        if not block_hashes or not self._up or self._closing:
+            fut = concurrent.futures.Future()
+            fut.set_result(([], None, None))
+            return fut
+        return self._loader.submit(self._lookup, list(block_hashes), parent)
+
+    def _lookup(self, block_hashes: list[bytes], parent: bytes):
+        found = self._fetch(block_hashes, parent)
+        if len(found) == len(block_hashes) or not self._up:
+            return found, None, None
+        missing = block_hashes[len(found)]
+        ttl_ms = int(self.config.claim_ttl_s * 1000)
+        try:
+            held = self._claimed_by_others(block_hashes[: len(found)])
+            if held is not None:
+                return found, None, held
+            key = self._claim_prefix + missing.hex().encode()
+            if self._client.set(key, self.owner, nx=True, px=ttl_ms):
+                return found, missing, None
+            holder = self._client.get(key)
+        except self._redis_errors:
+            return found, None, None  # no claims without Redis: compute
+        busy = holder is not None and holder.decode() != self.owner
+        return found, None, missing if busy else None
+
+    def _claimed_by_others(self, block_hashes: list[bytes]) -> bytes | None:
+        """The last of these blocks another process claims, or None (one pipeline)."""
+        if not block_hashes:
+            return None
+        pipe = self._client.pipeline(transaction=False)
+        for h in block_hashes:
+            pipe.get(self._claim_prefix + h.hex().encode())
+        holders = pipe.execute(raise_on_error=False)
+        for h, holder in zip(reversed(block_hashes), reversed(holders), strict=True):
+            if isinstance(holder, bytes) and holder.decode() != self.owner:
+                return h
+        return None
+
+    def claim_held(self, block_hash: bytes) -> concurrent.futures.Future:
+        """Whether another process still claims ``block_hash`` (False when Redis fails)."""
+
+        def held() -> bool:
+            try:
+                holder = self._client.get(self._claim_prefix + block_hash.hex().encode())
+            except self._redis_errors:
+                return False
+            return holder is not None and holder.decode() != self.owner
+
+        return self._loader.submit(held)
+
+    def release(self, block_hash: bytes) -> None:
+        """Release this process's claim on ``block_hash`` once the writes queued before are in
+        Redis (so a process waiting on it finds the blocks)."""
+        with self._lock:
+            if self._up:
+                self._queue.append((block_hash, None))
+                self._lock.notify()
+
+    _RENEW = (
+        "if redis.call('get', KEYS[1]) == ARGV[1] then "
+        "return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+    )
+
+    def renew(self, block_hashes: Sequence[bytes]) -> None:
+        """Renew this process's claims on ``block_hashes`` for ``claim_ttl_s`` more (on the
+        loader thread; a failure only lets a claim lapse)."""
+        if not block_hashes or not self._up or self._closing:
+            return
+        ttl_ms = int(self.config.claim_ttl_s * 1000)
+
+        def renew() -> None:
+            for h in block_hashes:
+                key = self._claim_prefix + h.hex().encode()
+                try:
+                    self._client.eval(self._RENEW, 1, key, self.owner, ttl_ms)
+                except self._redis_errors:
+                    return
+
+        self._loader.submit(renew)
+
+    _RELEASE = (
+        "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end "
+        "return 0"
+    )
+
+    def _release_claim(self, block_hash: bytes) -> None:
+        key = self._claim_prefix + block_hash.hex().encode()
+        self._client.eval(self._RELEASE, 1, key, self.owner)
