@@ -207,6 +207,9 @@ class Load:
                         res.answer_id = a["id"]
                     else:
                         res.error = r.text[:200]
+                except httpx.HTTPStatusError as e:  # the conversation was not created
+                    res.status = e.response.status_code
+                    res.error = e.response.text[:200]
                 except httpx.HTTPError as e:
                     res.error = f"{type(e).__name__}: {e}"
                 res.end = time.monotonic()

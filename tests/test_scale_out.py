@@ -69,8 +69,13 @@ def test_a_manuals_questions_reach_one_replica_by_every_route(stack: Stack):
             seen.add(r.headers["x-docqa-replica"])
         # a conversation of another manual is not found under this one
         other = _upload(c, "R-1b")
-        wrong = f"/v1/manuals/{other['id']}/conversations/{conv.json()['id']}/messages"
-        assert c.post(wrong, json={"content": "Eco?"}).status_code == 404
+        cid = conv.json()["id"]
+        wrong = f"/v1/manuals/{other['id']}/conversations/{cid}/messages"
+        r = c.post(wrong, json={"content": "Eco?"})
+        assert r.status_code == 404, r.text
+        assert r.json()["error"]["code"] == "conversation_not_found" and cid in r.text
+        stored = c.get(f"/v1/conversations/{cid}").json()["messages"]
+        assert [m["role"] for m in stored] == ["user", "assistant"] * 2  # nothing added
         # streamed, on the manual's route
         with c.stream(
             "POST", f"/v1/manuals/{mid}/ask", json={"question": "Eco?", "stream": True}
@@ -97,12 +102,19 @@ def test_a_manuals_questions_reach_one_replica_by_every_route(stack: Stack):
         assert r.status_code == 200, r.text
         seen.add(r.headers["x-docqa-replica"])
         assert seen == {home}, seen
-        # a body naming another manual than the path is refused
+        # a body naming another manual than the path is refused, and nothing is answered
+        answered = c.get(f"/v1/manuals/{mid}").json()["ledger"]["answers"]
+        assert answered > 0
         r = c.post(
             f"/v1/manuals/{mid}/chat/completions",
             json={"messages": [{"role": "user", "content": "Hi"}], "manual_id": other["id"]},
         )
-        assert r.status_code == 400 and "manual_id" in r.text
+        assert r.status_code == 400
+        msg = r.json()["error"]["message"]
+        assert other["id"] in msg and mid in msg and "differs" in msg
+        for manual in (mid, other["id"]):
+            ledger = c.get(f"/v1/manuals/{manual}").json()["ledger"]
+            assert ledger["answers"] == (answered if manual == mid else 0), ledger
 
 
 def test_warmed_on_one_replica_answered_on_another_from_redis(stack: Stack):
@@ -183,10 +195,11 @@ def _stored_message_ids(pg_url: str, ids: list[str]) -> set[str]:
 
 
 def test_load_then_a_replica_killed_mid_run(stack: Stack, pg_url):
-    """12 manuals, 16 clients: each manual computed about once cluster-wide, the replicas
-    sharing the answers; then a replica killed with SIGKILL under the same load."""
+    """12 manuals, 16 clients, 6 questions each (the benchmark's load): each manual computed
+    about once cluster-wide, the replicas sharing the answers; then a replica killed with
+    SIGKILL under the same load."""
     manuals = scale_out.upload_manuals(stack.lb.url, 12, key="key-a")
-    results = scale_out.Load(stack.lb.url, manuals, clients=16, questions=4, key="key-a").run()
+    results = scale_out.Load(stack.lb.url, manuals, clients=16, questions=6, key="key-a").run()
     row = scale_out.summarize(results, manuals)
     assert row["failed"] == 0, [r.error for r in results if r.status != 200][:3]
     assert row["prefills_per_manual"] <= 1.1, row
