@@ -19,7 +19,7 @@ the final server-sent event of a streamed answer).
 
 from __future__ import annotations
 
-from msgspec import Struct
+from msgspec import Struct, field
 
 
 class Usage(Struct):
@@ -27,6 +27,11 @@ class Usage(Struct):
     cached_tokens: int
     completion_tokens: int
     cached_tokens_by_tier: dict[str, int]
+    # speculation (OpenAI's names): drafted tokens that became the answer's, and those
+    # verified and discarded; both 0 where nothing was drafted
+    completion_tokens_details: dict[str, int] = field(
+        default_factory=lambda: {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
+    )
 
 
 class Timings(Struct):

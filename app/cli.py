@@ -10,6 +10,7 @@ from importlib import resources
 from pathlib import Path
 
 from app.cli_kv_budget import cmd_kv_budget
+from inference.engine.speculate import SPECULATE_MODES
 from inference.errors import DocqaError
 
 KV_DTYPE_HELP = (
@@ -89,7 +90,13 @@ def cmd_ask(args) -> int:
         raise DocqaError(
             f"--max-tokens must be between 1 and {args.max_tokens_cap}, got {args.max_tokens}"
         )
-    llm = LLM(args.model, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib, kv_dtype=args.kv_dtype)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        kv_cache_gib=args.kv_cache_gib,
+        kv_dtype=args.kv_dtype,
+        speculate=args.speculate,
+    )
     engine = llm.engine
     builder = PromptBuilder(llm.tokenizer)
     from inference.engine.sampling_params import SamplingParams
@@ -123,6 +130,10 @@ def cmd_ask(args) -> int:
                 "cached_tokens": out.num_cached_tokens,
                 "completion_tokens": len(out.token_ids),
                 "cached_tokens_by_tier": {"device": out.num_cached_tokens, "redis": 0},
+                "completion_tokens_details": {
+                    "accepted_prediction_tokens": out.accepted_prediction_tokens,
+                    "rejected_prediction_tokens": out.rejected_prediction_tokens,
+                },
             },
             "timings": out.metrics.to_dict(),
         }
@@ -152,6 +163,7 @@ def cmd_serve(args) -> int:
         benchmark_weights=args.benchmark_weights,
         batch_invariant=args.batch_invariant,
         cuda_graphs=args.cuda_graphs,
+        speculate=args.speculate,
         dtype=args.dtype,
         kv_cache_gib=args.kv_cache_gib,
         kv_dtype=args.kv_dtype,
@@ -272,6 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
         )
         sp.add_argument("--json", action="store_true", help="one JSON object per answer")
         sp.add_argument("--no-cache", action="store_true", help="compute every prompt cold")
+        sp.add_argument(
+            "--speculate",
+            choices=SPECULATE_MODES,
+            default="off",
+            help="prompt-lookup drafts (the same answers in fewer steps) or off (the default)",
+        )
 
     a = sub.add_parser("ask", help="answer questions about a manual, in order")
     a.add_argument("--manual", required=True, help="a UTF-8 text or markdown file")
@@ -314,6 +332,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="CUDA: products and norms whose rows never depend on the batch, so a cache hit "
         "never changes an answer there either (env DOCQA_BATCH_INVARIANT=1; the CPU always is)",
+    )
+    s.add_argument(
+        "--speculate",
+        choices=SPECULATE_MODES,
+        default=None,
+        help="prompt-lookup: answers that quote the manual take several tokens a step, the "
+        "same tokens as without; off, the default (env DOCQA_SPECULATE)",
     )
     s.add_argument(
         "--max-tokens-cap", type=int, default=1024, help="upper bound of a request's max_tokens"

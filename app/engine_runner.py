@@ -49,6 +49,9 @@ class Completion:
     num_cached_tokens: int
     metrics: RequestMetrics
     num_tier_cached_tokens: int = 0  # of num_cached_tokens, those loaded from Redis
+    # speculation: drafted tokens that became the answer's, and those verified and discarded
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 class RequestHandle:
@@ -121,6 +124,7 @@ class EngineRunner:
         prefill_tokens_with_decodes: int = 0,
         observer: Any = None,  # ServiceMetrics, or None
         kv_tier: TierConfig | None = None,
+        speculate: str = "off",
     ):
         self._model = model
         self._engine_kwargs = dict(
@@ -134,6 +138,7 @@ class EngineRunner:
             max_num_batched_tokens=max_num_batched_tokens,
             prefill_tokens_with_decodes=prefill_tokens_with_decodes,
             kv_tier=kv_tier,
+            speculate=speculate,
         )
         self.max_waiting = max_waiting
         self.observer = observer
@@ -309,6 +314,8 @@ class EngineRunner:
             num_cached_tokens=max(req.num_cached_tokens, 0),
             metrics=metrics,
             num_tier_cached_tokens=req.num_tier_cached_tokens,
+            accepted_prediction_tokens=req.num_accepted_tokens,
+            rejected_prediction_tokens=req.num_rejected_tokens,
         )
         handle.loop.call_soon_threadsafe(handle._finish, result)
 
@@ -370,6 +377,7 @@ class EngineRunner:
         namespace: bytes = b"",
         use_cache: bool = True,
         owner: str | None = None,
+        speculate: bool = True,
     ) -> RequestHandle:
         """Queue a request; errors about the prompt (too long, too large for the pool) are
         raised here, before anything runs. Its timings count from this call: the engine thread
@@ -391,6 +399,7 @@ class EngineRunner:
                 namespace=namespace,
                 use_cache=use_cache,
                 arrival=arrival,
+                speculate=speculate,
             )
             self._active[request_id] = (req, handle)
 
@@ -433,6 +442,8 @@ class EngineRunner:
             "prefix_cache_hits_copied": s.num_prefix_hits_copied,
             "prompt_tokens_computed": e.prompt_tokens_computed,
             "generation_tokens": e.generation_tokens,
+            "spec_draft_tokens": e.draft_tokens,
+            "spec_accepted_tokens": e.accepted_draft_tokens,
             "num_preemptions": s.num_preemptions,
             "kv_cache_usage_perc": kv.usage(),
             "kv_cache_cached_blocks": kv.pool.num_cached_free,

@@ -62,6 +62,16 @@ class _EngineCollector:
             "prompt_tokens_computed",
         )
         yield counter("docqa:generation_tokens", "Output tokens", "generation_tokens")
+        yield counter(
+            "docqa:spec_decode_num_draft_tokens",
+            "Prompt-lookup drafted tokens verified",
+            "spec_draft_tokens",
+        )
+        yield counter(
+            "docqa:spec_decode_num_accepted_tokens",
+            "Of the drafted tokens, those that became the answers' tokens",
+            "spec_accepted_tokens",
+        )
         yield counter("docqa:num_preemptions", "Requests preempted", "num_preemptions")
         yield counter(
             "docqa:num_requests_cancelled", "Requests cancelled in the engine", "num_cancelled"

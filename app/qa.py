@@ -60,6 +60,7 @@ class Job:
     tenant: str | None = None  # who may cancel it
     warnings: list[str] = field(default_factory=list)
     manual_id: str | None = None  # the manual whose ledger the answer adds to
+    speculate: bool = True  # prompt-lookup drafts (the answer is the same without)
 
 
 class QAService:
@@ -292,6 +293,7 @@ class QAService:
             namespace=job.namespace,
             use_cache=job.use_cache,
             owner=job.tenant,
+            speculate=job.speculate,
         )
         task = asyncio.get_running_loop().create_task(self._complete(job, handle))
         self._tasks.add(task)
@@ -344,6 +346,10 @@ class QAService:
                 cached_tokens=cached,
                 completion_tokens=len(c.output_token_ids),
                 cached_tokens_by_tier={"device": cached - redis, "redis": redis},
+                completion_tokens_details={
+                    "accepted_prediction_tokens": c.accepted_prediction_tokens,
+                    "rejected_prediction_tokens": c.rejected_prediction_tokens,
+                },
             ),
             timings=Timings(**c.metrics.to_dict()),
             warnings=list(job.warnings),

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from inference.engine.speculate import SPECULATE_MODES
 from inference.errors import DocqaError
 from inference.model.model_import import docqa_home
 
@@ -120,8 +121,15 @@ class Settings:
     batch_invariant: bool = False
     # CUDA: decode steps replayed from captured graphs (EngineConfig.cuda_graphs)
     cuda_graphs: bool = False
+    # prompt-lookup speculation: prompt-lookup | off (EngineConfig.speculate)
+    speculate: str = "off"
 
     def __post_init__(self):
+        if self.speculate not in SPECULATE_MODES:
+            raise ValueError(
+                f"speculate (DOCQA_SPECULATE) must be one of {', '.join(SPECULATE_MODES)}; "
+                f"got {self.speculate!r}"
+            )
         if self.max_tokens_cap < 1:
             raise ConfigError(f"--max-tokens-cap must be at least 1, got {self.max_tokens_cap}")
         if not 0 <= self.pin_budget <= 0.9:
@@ -212,6 +220,7 @@ class Settings:
             benchmark_weights=_env_flag("DOCQA_BENCHMARK_WEIGHTS", False),
             batch_invariant=_env_flag("DOCQA_BATCH_INVARIANT", False),
             cuda_graphs=_env_flag("DOCQA_CUDA_GRAPHS", False),
+            speculate=env.get("DOCQA_SPECULATE") or "off",
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         if "database_url" in overrides and overrides["database_url"]:

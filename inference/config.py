@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from inference.engine.speculate import SPECULATE_MODES, SpeculationConfig
 from prefix_store import TierConfig
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -38,6 +39,10 @@ class EngineConfig:
     # a few prompts computed at start to fit the prefill cost model (``ttft_saved_ms``) before
     # the first question (ModelRunner.profile_reserve)
     calibrate_prefill_cost: bool = True
+    # prompt-lookup speculation (engine/speculate.py): drafts from the request's own tokens,
+    # verified in the step; the answers are the same with it or without (``off``)
+    speculate: str = "off"
+    speculation: SpeculationConfig = SpeculationConfig()
 
     def __post_init__(self):
         if self.block_size not in BLOCK_SIZES:
@@ -50,6 +55,10 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.speculate not in SPECULATE_MODES:
+            raise ValueError(
+                f"speculate must be one of {', '.join(SPECULATE_MODES)}; got {self.speculate!r}"
             )
         if not 0 <= self.pin_budget <= 1:
             raise ValueError(f"pin_budget must be in [0, 1], got {self.pin_budget}")

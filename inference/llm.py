@@ -23,6 +23,8 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
     finish_reason: str  # "stop" | "length" | "abort" (a failed request raises its error)
     metrics: RequestMetrics
+    accepted_prediction_tokens: int = 0  # drafted tokens that became the answer's
+    rejected_prediction_tokens: int = 0  # drafted tokens verified and discarded
 
 
 def resolve_model(model: str | Path | None) -> Path:
@@ -67,6 +69,7 @@ class LLM:
         prompt_token_ids: list[list[int]] | None = None,
         use_cache: bool = True,
         namespace: bytes = b"",
+        speculate: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched; one output per prompt, in order.
 
@@ -83,7 +86,9 @@ class LLM:
         try:
             for ids in ids_list:
                 reqs.append(
-                    engine.add_request(ids, params, use_cache=use_cache, namespace=namespace)
+                    engine.add_request(
+                        ids, params, use_cache=use_cache, namespace=namespace, speculate=speculate
+                    )
                 )
             while any(not r.finished for r in reqs):
                 engine.step()
@@ -107,6 +112,8 @@ class LLM:
                     num_cached_tokens=max(r.num_cached_tokens, 0),
                     finish_reason=r.finish_reason or "abort",
                     metrics=engine.request_metrics(r),
+                    accepted_prediction_tokens=r.num_accepted_tokens,
+                    rejected_prediction_tokens=r.num_rejected_tokens,
                 )
             )
             engine.release(r)

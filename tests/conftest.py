@@ -114,11 +114,14 @@ def sqlite_server(default_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def pg_server(default_model_dir, pg_url, tmp_path_factory):
-    """``docqa serve`` on the real Postgres, with API keys for two tenants."""
+    """``docqa serve`` on the real Postgres, with API keys for two tenants and prompt-lookup
+    speculation on (the SQLite one runs the default, off)."""
     from svc_helpers import Server
 
     d = tmp_path_factory.mktemp("pg-server")
-    srv = Server(d, pg_url, api_keys=API_KEYS, name="postgres").start()
+    srv = Server(d, pg_url, api_keys=API_KEYS, name="postgres")
+    srv.extra_env["DOCQA_SPECULATE"] = "prompt-lookup"
+    srv.start()
     yield srv
     srv.stop()
 

@@ -187,6 +187,47 @@ def test_conversation_turns_hit_the_whole_history(api):
     assert api.get(f"/v1/conversations/{conv['id']}").status_code == 404
 
 
+def test_drafted_tokens_are_reported_in_every_shape_and_never_change_an_answer(api):
+    """REST answers, stored turns and OpenAI-compatible responses carry
+    ``completion_tokens_details``; on the server with speculation on (Postgres) an answer that
+    quotes the manual takes drafted tokens, and the same question with ``"speculate": false``
+    gives the same answer; on the default server (SQLite) nothing is drafted."""
+    on = api.server.extra_env.get("DOCQA_SPECULATE") == "prompt-lookup"
+    m = new_manual(api)
+    q = "Show the EXAMPLES section of the manual."
+    spec = ask(api, m["id"], q, max_tokens=48)
+    plain = ask(api, m["id"], q, max_tokens=48, speculate=False)
+    d, p = spec["usage"]["completion_tokens_details"], plain["usage"]["completion_tokens_details"]
+    assert spec["answer"] == plain["answer"]
+    assert p == {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
+    if not on:
+        assert d == p
+        return
+    assert d["accepted_prediction_tokens"] > 0, d
+    assert d["accepted_prediction_tokens"] < spec["usage"]["completion_tokens"]
+    # a stored turn keeps them
+    conv = api.post("/v1/conversations", json={"manual_id": m["id"]}).json()
+    turn = api.post(f"/v1/conversations/{conv['id']}/messages",
+                    json={"content": q, "max_tokens": 48}).json()  # fmt: skip
+    assert turn["answer"] == spec["answer"]
+    stored = api.get(f"/v1/conversations/{conv['id']}").json()["messages"][-1]
+    assert (
+        stored["usage"]["completion_tokens_details"] == turn["usage"]["completion_tokens_details"]
+    )
+    # the OpenAI shape, streamed or not
+    body = {"messages": [{"role": "user", "content": q}], "max_tokens": 48, "temperature": 0,
+            "manual_id": m["id"]}  # fmt: skip
+    chat = api.post("/v1/chat/completions", json=body).json()
+    details = chat["usage"]["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] > 0, details
+    off = api.post("/v1/chat/completions", json={**body, "speculate": False}).json()
+    assert off["choices"][0]["message"]["content"] == chat["choices"][0]["message"]["content"]
+    assert off["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] == 0
+    metrics = api.get("/metrics").text
+    drafted = [ln for ln in metrics.splitlines() if ln.startswith("docqa:spec_decode_num_draft")]
+    assert drafted and float(drafted[0].split()[-1]) > 0, drafted
+
+
 def test_streaming_answer(api):
     m = new_manual(api)
     conv = api.post("/v1/conversations", json={"manual_id": m["id"]}).json()

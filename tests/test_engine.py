@@ -126,23 +126,31 @@ def test_bad_prompts_are_rejected(llm):
         small.engine.add_request(list(range(1000)), SamplingParams())
 
 
-def test_preemption_under_a_tiny_pool_still_completes(tiny_model_dir):
-    small = LLM(tiny_model_dir, dtype="bfloat16", kv_cache_gib=0.0005, max_num_batched_tokens=64)
+@pytest.mark.parametrize("speculate", ["off", "prompt-lookup"])
+def test_preemption_under_a_tiny_pool_still_completes(tiny_model_dir, speculate):
+    """With drafts too (a verification's rows take blocks): every answer is the one its
+    prompt gets alone, without drafts."""
+    small = LLM(
+        tiny_model_dir,
+        dtype="bfloat16",
+        kv_cache_gib=0.0005,
+        max_num_batched_tokens=64,
+        speculate=speculate,
+    )
     eng = small.engine
     num_blocks = eng.kv_spec.num_blocks
     prompts = [_prompt(40 + i, num_blocks * 16 // 3) for i in range(3)]
-    outs = small.generate(
-        prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=24, ignore_eos=True)
-    )
-    assert [len(o.token_ids) for o in outs] == [24, 24, 24]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    outs = small.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [len(o.token_ids) for o in outs] == [48, 48, 48]
     assert eng.scheduler.num_preemptions > 0
     eng.kv_manager.check_integrity()
+    if speculate != "off":
+        assert all(o.accepted_prediction_tokens > 0 for o in outs)
     # preempted requests recompute to the same greedy tokens as alone
     for p, o in zip(prompts, outs, strict=True):
         alone = small.generate(
-            prompt_token_ids=[p],
-            use_cache=False,
-            sampling_params=SamplingParams(max_tokens=24, ignore_eos=True),
+            prompt_token_ids=[p], use_cache=False, sampling_params=params, speculate=False
         )[0]
         assert alone.token_ids == o.token_ids
 
@@ -217,12 +225,15 @@ def test_prompt_tokens_per_step_are_capped_while_answers_decode(tiny_model_dir):
     while not answer.output_token_ids:
         eng.step()
     question = eng.add_request(_prompt(962, 150), SamplingParams(max_tokens=1))
-    steps = []
+    steps, gained = [], []
     while not question.finished:
+        before = len(answer.output_token_ids)
         eng.step()
         steps.append(eng.last_step[1:3])  # (prompt tokens, decode tokens)
+        gained.append(len(answer.output_token_ids) - before)
     assert [p for p, _ in steps] == [32, 32, 32, 32, 22]
-    assert all(d == 1 for _, d in steps)
+    # a decode row a step, and a verification's drafted rows where it drafts
+    assert all(d >= 1 for _, d in steps) and all(g >= 1 for g in gained), (steps, gained)
 
 
 def test_random_weights_for_benchmarks(tiny_model_dir):

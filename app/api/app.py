@@ -187,6 +187,7 @@ def create_app(settings: Settings | None = None, runner: EngineRunner | None = N
         num_threads=settings.num_threads,
         max_waiting=settings.max_waiting_requests,
         kv_tier=settings.tier_config(),
+        speculate=settings.speculate,
     )
     runner.observer = service_metrics
     service_metrics.attach(runner)

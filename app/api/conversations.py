@@ -79,6 +79,7 @@ def _job(
         params=params,
         namespace=qa.namespace(tenant),
         use_cache=data.cache != "bypass",
+        speculate=data.speculate,
         question=question,
         conversation_id=conversation_id,
         tenant=tenant,

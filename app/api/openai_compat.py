@@ -147,6 +147,7 @@ async def chat_completion(qa: QAService, tenant: str, data: ChatCompletionCreate
         params=params,
         namespace=qa.namespace(tenant),
         use_cache=data.cache != "bypass",
+        speculate=data.speculate,
         question=msgs[-1][1],
         tenant=tenant,
         warnings=warnings,
@@ -220,5 +221,6 @@ def _usage(a) -> dict:
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "completion_tokens_details": dict(u.completion_tokens_details),
         "cached_tokens_by_tier": u.cached_tokens_by_tier,
     }

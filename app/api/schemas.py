@@ -231,6 +231,9 @@ class AnswerOptions(Struct, forbid_unknown_fields=True, kw_only=True):
     seed: int | None = None
     cache: CacheMode = "default"
     ignore_eos: bool = False
+    # false: no prompt-lookup drafts for this answer (it is the same either way; only its
+    # speed differs)
+    speculate: bool = True
 
 
 class MessageCreate(AnswerOptions, kw_only=True):
@@ -262,3 +265,4 @@ class ChatCompletionCreate(Struct):
     manual_id: BodyId | None = None
     cache: CacheMode = "default"
     ignore_eos: bool = False
+    speculate: bool = True

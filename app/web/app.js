@@ -247,12 +247,17 @@ function showMetrics(li, a, live = true) {
     el("span", { class: "computed", style: `width:${pct(computed)}` }),
   );
   const share = Math.round((100 * u.cached_tokens) / Math.max(u.prompt_tokens, 1));
+  const spec = u.completion_tokens_details || { accepted_prediction_tokens: 0 };
+  const accepted = spec.accepted_prediction_tokens || 0;
+  li.dataset.acceptedTokens = accepted;
+  const acceptedShare = Math.round((100 * accepted) / Math.max(u.completion_tokens, 1));
   const usage = el("div", {
     class: "usage",
     textContent:
       `${fmt(u.prompt_tokens)} prompt tokens: ${fmt(u.cached_tokens)} cached (${share}%; ` +
       `device ${fmt(tiers.device)}, Redis ${fmt(tiers.redis)}), ${fmt(computed)} computed · ` +
-      `${fmt(u.completion_tokens)} answered`,
+      `${fmt(u.completion_tokens)} answered, ${fmt(accepted)} of them drafted from the ` +
+      `prompt (${acceptedShare}%)`,
   });
   const timing = el("div", {
     class: "timings",

@@ -24,6 +24,7 @@ from inference.engine.holds import PinTable
 from inference.engine.sampling_params import SamplingParams
 from inference.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from inference.engine.sequence import Request
+from inference.engine.speculate import DraftPolicy, StepCost
 from inference.engine.tier_io import TierIO
 from inference.errors import DocqaError, ModelError, PromptTooLongError
 from inference.kv_sizing import KVCacheSpec
@@ -71,6 +72,7 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(
             self.kv_spec.num_blocks, config.block_size, self.fingerprint, runner.copy_slots
         )
+        self.drafts = self._draft_policy()
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_batched_tokens,
@@ -78,6 +80,7 @@ class LLMEngine:
                 prefill_tokens_with_decodes=config.prefill_tokens_with_decodes,
             ),
             self.kv_manager,
+            self.drafts,
         )
         self.pins = PinTable(self.kv_manager, config.pin_budget)
         self.tier_io: TierIO | None = None
@@ -97,11 +100,29 @@ class LLMEngine:
         self.generation_tokens = 0
         self.num_steps = 0
         self.num_cancelled = 0
+        self.draft_tokens = 0  # drafted tokens verified (speculation)
+        self.accepted_draft_tokens = 0  # of those, tokens of the answers
         # the last step, for metrics: (sequences, prefill tokens, decode tokens, seconds in the
         # model); None after a step that ran no batch
         self.last_step: tuple[int, int, int, float] | None = None
         for chunks, seconds in runner.prefill_samples:  # timed at start: fitted already
             self.cost_model.observe(chunks, seconds)
+
+    def _draft_policy(self) -> DraftPolicy | None:
+        """Prompt-lookup speculation's policy, where it keeps answers the same: where the
+        runner's rows are invariant (``ModelRunner.rows_invariant``: the CPU's compiled
+        kernels, a GPU in the batch-invariant mode); None where off."""
+        if self.config.speculate == "off":
+            return None
+        if not self.runner.rows_invariant():
+            log.info(
+                "speculation off: with these kernels (%s) a verified row's logits may differ "
+                "from a decode's, and with them an answer (a GPU keeps them equal in the "
+                "batch-invariant mode)",
+                self.runner.model.ops.name,
+            )
+            return None
+        return DraftPolicy(self.config.speculation, StepCost(self.runner.row_samples))
 
     def _eos_token_ids(self) -> frozenset[int]:
         eos = set(self.model_config.eos_token_ids)
@@ -138,9 +159,11 @@ class LLMEngine:
         use_cache: bool = True,
         keep_logits: bool = False,
         arrival: float | None = None,
+        speculate: bool = True,
     ) -> Request:
         """Queue a request. ``use_cache=False`` is cache "bypass": nothing is read from the
-        prefix cache and nothing of this request is registered in it. ``arrival`` (a
+        prefix cache and nothing of this request is registered in it. ``speculate=False``: no
+        drafts for this request (its answer is the same either way). ``arrival`` (a
         ``time.perf_counter`` time) is when the request reached the front end, if earlier than
         now: its queue time and TTFT count from there. A ``request_id`` already in the engine
         is refused (ValueError)."""
@@ -173,6 +196,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             seed=seed,
             keep_logits=keep_logits,
+            speculate=speculate,
         )
         if arrival is not None:
             req.times.arrival = min(arrival, req.times.arrival)
@@ -264,6 +288,9 @@ class LLMEngine:
         computed: list[Request] = []  # prompts done whose claims in the second tier go now
         for c in sched.chunks:
             req, n, ctx = c.request, c.num_new_tokens, c.num_context_tokens
+            if c.draft:  # the last token's KV holds; the draft's once verified (_verify)
+                req.num_computed_tokens = ctx + 1
+                continue
             if not c.is_decode:
                 self.prompt_tokens_computed += n
                 req.times.prefill_s += model_s
@@ -285,25 +312,69 @@ class LLMEngine:
             self._release_claim(req)
         if prefill_chunks and len(prefill_chunks) == len(sched.chunks):
             self.cost_model.observe(prefill_chunks, model_s)
+        elif not prefill_chunks and self.drafts is not None:  # decode and verification rows
+            self.drafts.cost.observe(sched.num_tokens, model_s)
 
     def _append_tokens(self, sched: SchedulerOutput, out: RunnerOutput) -> list[Request]:
-        """Each sampled token to its request; requests that reach an end of turn (unless
-        ``ignore_eos``), ``max_tokens`` or the context finish, their blocks freed. A request
-        whose sampling or bookkeeping raised fails alone."""
+        """Each sampled token to its request (a verification's accepted run and the token
+        after it); requests that reach an end of turn (unless ``ignore_eos``), ``max_tokens``
+        or the context finish, their blocks freed. A request whose sampling or bookkeeping
+        raised fails alone."""
         finished = [c.request for c in sched.chunks if c.request.finished]  # failed above
         now = time.perf_counter()
-        for row, (req, tok) in enumerate(zip(sched.sampling, out.sampled_token_ids, strict=True)):
+        newly: list | None = [] if self.tier_io is not None and self.tier_io.up else None
+        row = 0
+        for c in sched.chunks:
+            if not c.samples:
+                continue
+            req, first = c.request, row
+            row += c.num_sampled_rows
             if req.finished:
                 continue
             try:
-                if isinstance(tok, Exception):
-                    raise tok
-                if self._append_token(req, tok, out.logits, row, now):
+                tokens = out.sampled_token_ids[first:row]
+                if c.draft:
+                    done = self._verify(req, c, tokens, out.logits, first, now, newly)
+                else:
+                    tok = tokens[0]
+                    if isinstance(tok, Exception):
+                        raise tok
+                    done = self._append_token(req, tok, out.logits, first, now)
+                if done:
                     finished.append(req)
             except Exception as e:
                 log.exception("the token of %s could not be taken", req.request_id)
                 finished.append(self._fail(req, e))
+        if newly:
+            self.tier_io.write_through(newly)
         return finished
+
+    def _verify(self, req: Request, c, tokens: list, logits, first: int, now, newly) -> bool:
+        """A verification's tokens: the one sampled after the request's last token, then each
+        sampled after a drafted token that equalled the token sampled before it; the KV of the
+        drafted tokens kept becomes the request's (its full blocks indexed). True when that
+        finishes the request."""
+        ctx, draft, bs = c.num_context_tokens, c.draft, self.kv_spec.block_size
+        accepted, done = 0, False
+        for j, tok in enumerate(tokens):
+            if isinstance(tok, Exception):
+                raise tok
+            # tokens [0, ctx + 1 + j) are the request's, their KV written: index what filled
+            computed = ctx + 1 + j
+            if computed % bs == 0:
+                self.kv_manager.register_computed(
+                    req.request_id, req.all_token_ids, computed, newly
+                )
+            req.num_computed_tokens = computed
+            done = self._append_token(req, tok, logits, first + j, now)
+            hit = j < len(draft) and tok == draft[j]
+            accepted += hit
+            if done or not hit:
+                break
+        self.draft_tokens += len(draft)
+        self.accepted_draft_tokens += accepted
+        self.drafts.verified(req, len(draft), accepted)
+        return done
 
     def _append_token(self, req: Request, tok: int, logits, row: int, now: float) -> bool:
         """``tok`` after ``req``'s tokens; True when that finishes the request."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from inference.engine.sequence import Request, RequestStatus
+from inference.engine.speculate import DraftPolicy
 from inference.errors import DocqaError
 from prefix_store import CachedPrefix, KVCacheManager, NoFreeBlocksError
 
@@ -52,7 +53,8 @@ class SchedulerConfig:
 
 class ScheduledChunk(NamedTuple):
     """One request's share of a step: tokens [num_context_tokens, num_context_tokens +
-    num_new_tokens) of its prompt and answer."""
+    num_new_tokens) of its prompt and answer, the last ``len(draft)`` of them drafted (a
+    verification: its request's next token and the draft after it, every row sampled)."""
 
     request: Request
     num_new_tokens: int  # tokens computed for this request in this step
@@ -60,6 +62,12 @@ class ScheduledChunk(NamedTuple):
     block_ids: list[int]  # the request's KV blocks, enough for every token through this step
     is_decode: bool  # one new token following a sampled one (``is_decode``)
     samples: bool  # the chunk ends at the request's last token: its logits give the next
+    draft: tuple[int, ...] = ()  # drafted tokens after the request's last one (speculation)
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Logits rows this chunk samples: its last, or a verification's every row."""
+        return (1 + len(self.draft)) if self.samples else 0
 
 
 class SchedulerOutput(NamedTuple):
@@ -77,18 +85,33 @@ class SchedulerOutput(NamedTuple):
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(c.is_decode for c in self.chunks)
+        """Tokens of the step that follow sampled ones: decodes, and verifications' rows."""
+        return sum(c.num_new_tokens if c.draft else c.is_decode for c in self.chunks)
 
     @property
     def sampling(self) -> list[Request]:
         """The requests whose next token this step samples, in chunk order."""
         return [c.request for c in self.chunks if c.samples]
 
+    def sampling_rows(self) -> tuple[list[Request], list[int]]:
+        """Each sampled logits row's request and the position of the token it samples, in
+        row order (a verification's rows are its request's next positions)."""
+        reqs: list[Request] = []
+        positions: list[int] = []
+        for c in self.chunks:
+            if c.samples:
+                n = c.num_sampled_rows
+                reqs.extend([c.request] * n)
+                first = c.request.num_tokens
+                positions.extend(range(first, first + n))
+        return reqs, positions
 
-def _chunk(req: Request, n: int, ctx: int, blocks) -> ScheduledChunk:
-    return ScheduledChunk(
-        req, n, ctx, [b.block_id for b in blocks], is_decode(req, n, ctx), ctx + n == req.num_tokens
-    )
+
+def _chunk(req: Request, n: int, ctx: int, blocks, draft: tuple[int, ...] = ()) -> ScheduledChunk:
+    ids = [b.block_id for b in blocks]
+    if draft:
+        return ScheduledChunk(req, n, ctx, ids, False, True, draft)
+    return ScheduledChunk(req, n, ctx, ids, is_decode(req, n, ctx), ctx + n == req.num_tokens)
 
 
 class RequestTooLargeError(DocqaError):
@@ -96,9 +119,13 @@ class RequestTooLargeError(DocqaError):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, drafts: DraftPolicy | None = None
+    ):
+        """``drafts``: prompt-lookup speculation's policy (None: off)."""
         self.config = config
         self.kv = kv
+        self.drafts = drafts
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -175,6 +202,7 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
         failed: list[Request] = []
+        drafts = self._drafts(budget)
         # 1. running requests, oldest first: decodes and continuing prompt chunks
         for req in list(self.running):
             if budget <= 0:
@@ -187,6 +215,8 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if prompt:
                 n = min(n, prompt_budget)
+            draft = drafts.get(req, ())[: budget - 1] if not prompt else ()
+            n += len(draft)
             while True:
                 try:
                     blocks = self.kv.allocate(req.request_id, req.num_computed_tokens + n)
@@ -211,13 +241,38 @@ class Scheduler:
                                 prompt_budget += c.num_new_tokens
                     chunks = [c for c in chunks if c.request is not victim]
             if n > 0:
-                chunks.append(_chunk(req, n, req.num_computed_tokens, blocks))
+                chunks.append(_chunk(req, n, req.num_computed_tokens, blocks, draft))
                 budget -= n
                 if prompt:
                     prompt_budget -= n
         # 2. admit waiting requests while budget, sequence slots and blocks last
         self._admit(chunks, min(budget, prompt_budget), reserved_blocks, failed)
         return SchedulerOutput(chunks, preempted, failed)
+
+    def _drafts(self, budget: int) -> dict:
+        """The drafts of the step's decoding requests (``DraftPolicy.plan``): none past a
+        request's ``max_tokens`` or its context's last position, nor past the step's token
+        budget."""
+        if self.drafts is None:
+            return {}
+        decoding = [r for r in self.running if _decoding(r)]
+        cfg = self.drafts.config
+        proposals = {}
+        for req in decoding:
+            if not req.speculate:
+                continue
+            room = min(
+                cfg.max_draft_tokens,
+                req.params.max_tokens - len(req.output_token_ids) - 1,
+                req.max_model_len - req.num_tokens if req.max_model_len else cfg.max_draft_tokens,
+            )
+            tokens = self.drafts.propose(req, room)
+            if tokens:
+                proposals[req] = tokens
+        if not proposals:
+            return {}
+        rows = len(decoding)
+        return self.drafts.plan(proposals, rows, min(cfg.max_step_rows, max(budget, rows)))
 
     # -- admission --------------------------------------------------------------------------------
     def prompt_hashes(self, req: Request) -> list[bytes]:

@@ -62,6 +62,20 @@ class Request:
     # replicas wait for it): released once its prompt is computed or it finishes
     tier_claim: bytes | None = None
     num_tier_cached_tokens: int = 0  # of num_cached_tokens, those loaded from the second tier
+    # prompt-lookup speculation: whether this request drafts (when the engine does), and its
+    # drafting state once it decodes (``speculate.DraftState``: index, k, counts)
+    speculate: bool = True
+    draft: Any = None
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        """Drafted tokens that became the answer's."""
+        return self.draft.accepted if self.draft is not None else 0
+
+    @property
+    def num_rejected_tokens(self) -> int:
+        """Drafted tokens verified and discarded."""
+        return self.draft.rejected if self.draft is not None else 0
 
     def prompt_hashes(self, hasher) -> list[bytes]:
         """The chained hashes of the prompt's full blocks (``BlockHasher.chain`` in this

@@ -108,8 +108,9 @@ class ActivationReserve(NamedTuple):
 
 
 class RunnerOutput(NamedTuple):
-    sampled_token_ids: list[int]  # one per sampling chunk of the step, in chunk order
-    logits: torch.Tensor  # [R, vocab] float32: those chunks' next-token logits
+    # one per sampled row of the step (``SchedulerOutput.sampling_rows``), in row order
+    sampled_token_ids: list[int]
+    logits: torch.Tensor  # [R, vocab] float32: those rows' logits
     model_s: float  # seconds of the forward pass
 
 
@@ -245,14 +246,18 @@ class ModelRunner:
         room = min(2 * tokens, self.max_model_len - 1)
         caches = self.scratch_caches(-(-room // bs) + 1)
 
-        def prefill(n: int, context: int = 0) -> None:
-            """A chunk of ``n`` tokens after ``context`` ones, into blocks 0, 1, ..."""
+        def prefill(n: int, context: int = 0, every_row: bool = False) -> None:
+            """A chunk of ``n`` tokens after ``context`` ones, into blocks 0, 1, ...; the
+            last row's logits, or ``every_row``'s (a verification's)."""
             seq = context + n
             ids = (
                 torch.arange(context, seq, dtype=torch.int64, device=dev) * 7919
             ) % cfg.vocab_size
             meta = AttentionMetadata.build([list(range(-(-seq // bs)))], [seq], [n], bs, dev)
-            last = torch.tensor([n - 1], dtype=torch.int64, device=dev)
+            if every_row:
+                last = torch.arange(n, dtype=torch.int64, device=dev)
+            else:
+                last = torch.tensor([n - 1], dtype=torch.int64, device=dev)
             pos = torch.arange(context, seq, device=dev)
             self.model.forward(ids, pos, meta, caches, last)
             self.synchronize()
@@ -270,6 +275,7 @@ class ModelRunner:
         prefill_bytes = peak_memory_during(dev, lambda: prefill(tokens))
         decode_bytes = peak_memory_during(dev, decode)
         self.prefill_samples = []
+        self.row_samples = []
         if calibrate:
             t0 = time.perf_counter()
             sizes = [(max(16, tokens // 8), 0), (max(32, tokens // 2), 0), (tokens, 0)]
@@ -288,6 +294,9 @@ class ModelRunner:
                 ),  # fmt: skip
                 time.perf_counter() - t0,
             )
+            if config.speculate != "off" and self.rows_invariant():
+                context = max(bs, min(tokens, room - 64))  # a manual's worth of keys
+                self.row_samples = self.time_rows(prefill, min(room - context, 64), context)
         shape = ModelShape(
             num_layers=cfg.num_layers,
             num_heads=cfg.num_heads,
@@ -299,6 +308,28 @@ class ModelRunner:
         )
         planned = shape.runtime_reserve_bytes(self.dtype.itemsize, tokens, seqs)
         return ActivationReserve(prefill_bytes, decode_bytes, planned, tokens, seqs, ctx)
+
+    def time_rows(self, prefill, max_rows: int, context: int) -> list[tuple[int, float]]:
+        """A step's cost by its rows, for speculation's policy (``speculate.StepCost``):
+        chunks of 1, 2, 4, ... ``max_rows`` tokens after ``context`` ones, every row's logits
+        computed (a verification's), the faster of two passes each."""
+        t0 = time.perf_counter()
+        sizes = [r for r in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if r <= max_rows]
+        samples = []
+        for rows in sizes:
+            best = float("inf")
+            for _ in range(2):
+                t = time.perf_counter()
+                prefill(rows, context, every_row=True)
+                best = min(best, time.perf_counter() - t)
+            samples.append((rows, best))
+        log.info(
+            "steps of 1 to %d rows timed for speculation in %.2f s: %s",
+            sizes[-1],
+            time.perf_counter() - t0,
+            ", ".join(f"{r}: {s * 1000:.1f} ms" for r, s in samples),
+        )
+        return samples
 
     @torch.inference_mode()
     def calibrate_kv_amax(self) -> torch.Tensor:
@@ -367,6 +398,12 @@ class ModelRunner:
     def synchronize(self) -> None:
         """Wait for the device's queued work."""
 
+    def rows_invariant(self) -> bool:
+        """Whether a token's logits are the same bits in a step of any shape: as a decode
+        token, as a row of a prompt chunk, beside any other requests (what lets speculation
+        verify drafts without changing an answer)."""
+        return False
+
     # -- the step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -377,8 +414,8 @@ class ModelRunner:
         logits = self.run_model(sched)
         self.synchronize()
         model_s = time.perf_counter() - t0
-        sampling = sched.sampling
-        tokens = self.sampler(logits, sampling) if sampling else []
+        reqs, positions = sched.sampling_rows()
+        tokens = self.sampler(logits, reqs, positions) if reqs else []
         return RunnerOutput(tokens, logits, model_s)
 
     def run_model(self, sched: SchedulerOutput) -> torch.Tensor:

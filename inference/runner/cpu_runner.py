@@ -196,6 +196,12 @@ class CPURunner(ModelRunner):
 
     argmax = staticmethod(elementwise.argmax_rows)
 
+    def rows_invariant(self) -> bool:
+        """The compiled kernels' rows are invariant by construction (attention: a token's
+        result is the same as a prompt or decode token, alone or in any batch; products:
+        ``CPULinear``); the torch reference's attention makes no such promise."""
+        return self.attention_backend == "cpu"
+
     def profile_context(self) -> int:
         """The CPU kernels' working memory does not grow with the context: one block."""
         return self.config.block_size

@@ -91,6 +91,10 @@ class CUDARunner(ModelRunner):
             self.graphs.capture(self.model, self.kv_caches, config.max_num_seqs)
             self.decode_mode = "graphs"
 
+    def rows_invariant(self) -> bool:
+        """In the batch-invariant mode (kernels/triton/invariant.py) only."""
+        return self.config.batch_invariant
+
     def run_model(self, sched: SchedulerOutput) -> torch.Tensor:
         """A decode step that a captured size holds replays its graph (rows past the step's
         padding); other steps run eagerly."""

@@ -23,8 +23,8 @@ class StepInputs(NamedTuple):
     input_ids: torch.Tensor  # [N] int64: the step's new tokens, chunk after chunk
     positions: torch.Tensor  # [N] int64
     meta: AttentionMetadata
-    # [R] int64: the rows whose next-token logits are sampled (``SchedulerOutput.sampling``'s
-    # requests, in order)
+    # [R] int64: the rows whose next-token logits are sampled (``SchedulerOutput.sampling_rows``,
+    # in order: a chunk's last row, every row of a verification)
     logits_indices: torch.Tensor
 
 
@@ -67,7 +67,8 @@ class InputBuffers:
         self.block_tables = _Buffer((max_num_seqs, max_blocks_per_seq), torch.int32, device, pin)
         self.seq_lens = _Buffer(max_num_seqs, torch.int32, device, pin)
         self.cu_seqlens_q = _Buffer(max_num_seqs + 1, torch.int32, device, pin)
-        self.logits_indices = _Buffer(max_num_seqs, torch.int64, device, pin)
+        # a row per sampling sequence, or per token of a verification (speculation)
+        self.logits_indices = _Buffer(max(max_num_seqs, max_num_tokens), torch.int64, device, pin)
 
     def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> StepInputs:
         """Fill the buffers from the scheduler's chunks; returns views of them.
@@ -104,7 +105,10 @@ class InputBuffers:
         cu[0] = 0
         for i, c in enumerate(chunks):
             n, ctx, blocks = c.num_new_tokens, c.num_context_tokens, c.block_ids
-            ids[t : t + n] = c.request.token_ids(ctx, ctx + n)
+            if c.draft:  # the request's last token, then its draft
+                ids[t : t + n] = c.request.token_ids(ctx, ctx + 1) + list(c.draft)
+            else:
+                ids[t : t + n] = c.request.token_ids(ctx, ctx + n)
             if n == 1:
                 pos[t] = ctx
                 slots[t] = blocks[ctx // bs] * bs + ctx % bs
@@ -120,7 +124,7 @@ class InputBuffers:
             lens.append(ctx + n)
             q_lens.append(n)
             if c.samples:
-                rows.append(t - 1)
+                rows.extend(range(t - c.num_sampled_rows, t))
         decode = [c.is_decode for c in chunks]
         if pad_to is not None:
             for i in range(num_seqs, pad_to):  # padding rows (docstring)

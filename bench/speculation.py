@@ -1,0 +1,284 @@
+"""Prompt-lookup speculation side by side with plain decoding, in one process.
+
+    .venv/bin/python bench/speculation.py [--max-tokens 128] [--dtype auto] [--repeats 2]
+        [--json bench/results/speculation-DATE.json]
+
+Two engines of the default model, one with ``speculate="off"`` and one with prompt-lookup
+drafts, each with the bundled tarx manual and the tests' pump manual cached. Two question
+sets per manual: answers that quote the manual (how-to, which option, what a message means)
+and answers that do not (yes/no, opinions, summaries in other words).
+
+1. **Step cost of extra rows**: N requests (1, 4, 16) decoding after a manual, each carrying
+   0, 1, 3, 7 or 15 drafted rows; the median forward pass of ``--step-repeats`` passes of each
+   shape, and its ratio to the plain decode step. Where the ratio starts to climb is where
+   the policy's ``max_step_rows`` stops drafts.
+2. **Batch 1**: every question alone, greedy, on each engine in turn (``--repeats`` times,
+   the best kept): decode tokens/s (the answer's tokens after the first over the time from
+   first token to last), the acceptance rate (accepted over drafted tokens), the mean tokens
+   a decode step produced, and whether the answers are the same token for token.
+3. **16 clients**: 16 questions of a set at once on each engine (an in-process batch): output
+   tokens/s over the batch's wall time, and the same answers.
+
+Prints a table; ``--json`` writes the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from inference import LLM, SamplingParams  # noqa: E402
+from inference.engine.scheduler import ScheduledChunk, SchedulerOutput  # noqa: E402
+from prompts import PromptBuilder  # noqa: E402
+
+PUMP = (
+    "The pump has three modes. Mode A runs continuously. Mode B runs for 15 minutes every hour. "
+    "Mode C runs only when the float switch closes. To reset the pump, hold the red button for "
+    "5 seconds until the light blinks twice. The filter must be cleaned every 30 days; a dirty "
+    "filter triggers error E4. Error E7 means the motor is overheating: switch the pump off and "
+    "let it cool for one hour. "
+) * 6
+MANUALS = {
+    "tarx": (ROOT / "app" / "samples" / "tarx-manual.md").read_text(),
+    "pump": PUMP,
+}
+QUOTING = {
+    "tarx": [
+        "How do I create a compressed archive of a directory? Give the command.",
+        "How do I extract an archive? Quote the manual.",
+        "What does the -x option do?",
+        "How do I list the contents of an archive?",
+        "Which option sets the compression level?",
+        "What does the manual say in its DESCRIPTION section?",
+        "How do I exclude files when creating an archive?",
+        "Show the EXAMPLES section.",
+    ],
+    "pump": [
+        "How do I reset the pump? Quote the manual.",
+        "What does error E7 mean?",
+        "What does error E4 mean?",
+        "How often must the filter be cleaned?",
+        "Describe mode B in the manual's words.",
+        "Which mode runs continuously?",
+        "What should I do when the motor overheats?",
+        "What are the three modes?",
+    ],
+}
+OTHER = {
+    "tarx": [
+        "Would you recommend tarx to a beginner? Answer yes or no.",
+        "Is tarx faster than zip? One word.",
+        "Write a haiku about archives.",
+        "Summarize the manual in your own words, in one sentence.",
+        "What is your opinion of the option names?",
+        "Translate 'archive' into French.",
+        "Is this manual well written?",
+        "Name a color.",
+    ],
+    "pump": [
+        "Is this pump good for a garden? Answer yes or no.",
+        "Summarize the manual in your own words.",
+        "Write a short poem about water.",
+        "Would you buy this pump?",
+        "What is 2 + 2?",
+        "Give the pump a friendly name.",
+        "Is the reset procedure easy? One word.",
+        "Describe the pump's color.",
+    ],
+}
+
+
+def _engines(dtype: str) -> dict[str, LLM]:
+    return {
+        mode: LLM(dtype=dtype, kv_cache_gib=0.5, speculate=mode)
+        for mode in ("off", "prompt-lookup")
+    }
+
+
+def _prompts(llm: LLM, questions: dict[str, list[str]]) -> list[list[int]]:
+    builder = PromptBuilder(llm.tokenizer)
+    return [builder.build(MANUALS[m], q).token_ids for m, qs in questions.items() for q in qs]
+
+
+def _run(llm: LLM, prompts: list[list[int]], max_tokens: int):
+    """The prompts at once; (requests, wall seconds)."""
+    eng = llm.engine
+    params = SamplingParams(max_tokens=max_tokens)
+    t0 = time.perf_counter()
+    reqs = [eng.add_request(ids, params) for ids in prompts]
+    while not all(r.finished for r in reqs):
+        eng.step()
+    wall = time.perf_counter() - t0
+    for r in reqs:
+        assert r.error is None, r.error
+        eng.release(r)
+    return reqs, wall
+
+
+def _decode_stats(reqs) -> dict:
+    """Decode tokens/s over the requests (tokens after the first over first-to-last time),
+    acceptance, tokens per decode step."""
+    tokens = sum(len(r.output_token_ids) - 1 for r in reqs)
+    seconds = sum(r.times.finished - r.times.first_token for r in reqs)
+    accepted = sum(r.num_accepted_tokens for r in reqs)
+    drafted = sum(r.num_accepted_tokens + r.num_rejected_tokens for r in reqs)
+    steps = tokens - accepted
+    return {
+        "decode_tokens": tokens,
+        "decode_tok_s": tokens / seconds if seconds else 0.0,
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance": accepted / drafted if drafted else 0.0,
+        "tokens_per_step": tokens / steps if steps else 1.0,
+    }
+
+
+def step_costs(llm: LLM, sizes: list[int], extras: list[int], repeats: int) -> list[dict]:
+    """The median forward pass of N decoding requests carrying E drafted rows each."""
+    eng = llm.engine
+    builder = PromptBuilder(llm.tokenizer)
+    rows = []
+    for n in sizes:
+        prompts = [
+            builder.build(MANUALS["tarx"], QUOTING["tarx"][i % 8]).token_ids for i in range(n)
+        ]
+        params = SamplingParams(max_tokens=64, ignore_eos=True)
+        reqs = [eng.add_request(ids, params, speculate=False) for ids in prompts]
+        while any(not r.output_token_ids for r in reqs):
+            eng.step()
+        base = None
+        for e in extras:
+            for r in reqs:  # room for the drafted rows' KV
+                eng.kv_manager.allocate(r.request_id, r.num_tokens + e)
+            draft = tuple(r.prompt_token_ids[-e:]) if e else ()
+            chunks = [
+                ScheduledChunk(
+                    r,
+                    1 + e,
+                    r.num_tokens - 1,
+                    eng.kv_manager.block_ids(r.request_id),
+                    e == 0,
+                    True,
+                    draft,
+                )
+                for r in reqs
+            ]
+            sched = SchedulerOutput(chunks, [])
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                eng.runner.run_model(sched)
+                times.append(time.perf_counter() - t0)
+            ms = statistics.median(times) * 1000
+            base = base or ms
+            rows.append({"requests": n, "extra_rows": e, "rows": n * (1 + e), "ms": ms,
+                         "vs_plain": ms / base})  # fmt: skip
+        for r in reqs:
+            eng.abort(r.request_id)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--repeats", type=int, default=2, help="batch-1 runs per question")
+    ap.add_argument("--step-repeats", type=int, default=15)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    llms = _engines(args.dtype)
+    off, on = llms["off"], llms["prompt-lookup"]
+    out: dict = {
+        "machine": platform.processor() or platform.machine(),
+        "dtype": str(off.engine.runner.dtype),
+        "threads": torch.get_num_threads(),
+        "max_tokens": args.max_tokens,
+        "config": vars(on.engine.config.speculation),
+    }
+    for llm in (off, on):  # the manuals cached on both
+        _run(llm, _prompts(llm, {m: ["Hello?"] for m in MANUALS}), 1)
+
+    print("step cost of drafted rows (median forward pass)")
+    steps = step_costs(off, [1, 4, 16], [0, 1, 3, 7, 15], args.step_repeats)
+    out["step_costs"] = steps
+    for r in steps:
+        print(
+            f"  {r['requests']:>2} requests + {r['extra_rows']} rows each ({r['rows']:>3} rows): "
+            f"{r['ms']:7.1f} ms  {r['vs_plain']:.2f}x"
+        )
+
+    out["sets"] = {}
+    for name, questions in (("quoting", QUOTING), ("other", OTHER)):
+        prompts = _prompts(off, questions)
+        # batch 1: each question alone, alternating engines, the best of the repeats
+        alone: dict[str, list] = {"off": [], "prompt-lookup": []}
+        best: dict[str, list[float]] = {"off": [], "prompt-lookup": []}
+        for ids in prompts:
+            for mode in ("off", "prompt-lookup"):
+                runs = [_run(llms[mode], [ids], args.max_tokens)[0][0] for _ in range(args.repeats)]
+                fastest = max(runs, key=lambda r: _decode_stats([r])["decode_tok_s"])
+                alone[mode].append(fastest)
+        for mode in alone:
+            best[mode] = [_decode_stats([r])["decode_tok_s"] for r in alone[mode]]
+        same1 = all(
+            a.output_token_ids == b.output_token_ids
+            for a, b in zip(alone["off"], alone["prompt-lookup"], strict=True)
+        )
+        s_off, s_on = _decode_stats(alone["off"]), _decode_stats(alone["prompt-lookup"])
+        # 16 clients: the set's 16 questions at once
+        batch = {mode: _run(llms[mode], prompts[:16], args.max_tokens) for mode in llms}
+        same16 = all(
+            a.output_token_ids == b.output_token_ids
+            for a, b in zip(batch["off"][0], batch["prompt-lookup"][0], strict=True)
+        )
+        tok16 = {
+            mode: sum(len(r.output_token_ids) for r in reqs) / wall
+            for mode, (reqs, wall) in batch.items()
+        }
+        b_on = _decode_stats(batch["prompt-lookup"][0])
+        row = {
+            "questions": len(prompts),
+            "batch1_decode_tok_s": {"off": s_off["decode_tok_s"], "on": s_on["decode_tok_s"]},
+            "batch1_speedup": s_on["decode_tok_s"] / s_off["decode_tok_s"],
+            "batch1_speedup_per_answer_median": statistics.median(
+                b / a for a, b in zip(best["off"], best["prompt-lookup"], strict=True)
+            ),
+            "batch1_acceptance": s_on["acceptance"],
+            "batch1_tokens_per_step": s_on["tokens_per_step"],
+            "batch1_same_answers": same1,
+            "clients16_output_tok_s": {"off": tok16["off"], "on": tok16["prompt-lookup"]},
+            "clients16_ratio": tok16["prompt-lookup"] / tok16["off"],
+            "clients16_acceptance": b_on["acceptance"],
+            "clients16_tokens_per_step": b_on["tokens_per_step"],
+            "clients16_same_answers": same16,
+            "answer_tokens": s_off["decode_tokens"] + len(prompts),
+        }
+        out["sets"][name] = row
+        print(
+            f"{name:8s} batch 1: {s_off['decode_tok_s']:6.1f} -> {s_on['decode_tok_s']:6.1f} "
+            f"decode tok/s ({row['batch1_speedup']:.2f}x), acceptance "
+            f"{s_on['acceptance']:.2f}, {s_on['tokens_per_step']:.2f} tokens/step, same "
+            f"answers: {same1}\n"
+            f"         16 clients: {tok16['off']:6.1f} -> {tok16['prompt-lookup']:6.1f} "
+            f"output tok/s ({row['clients16_ratio']:.2f}x), acceptance "
+            f"{b_on['acceptance']:.2f}, {b_on['tokens_per_step']:.2f} tokens/step, same "
+            f"answers: {same16}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""Prompt-lookup speculation: drafts from the request's own tokens, verified in the step.
+
+An answer about a manual quotes it: option names, command lines, whole sentences. When the
+last few tokens of a request (prompt and answer so far) occurred earlier in it, the tokens
+that followed them there are a likely continuation. The engine proposes up to ``k`` of them
+(the draft), computes the request's next token and the draft's positions in one chunk of
+``1 + k`` rows, samples every row, and keeps the longest run of drafted tokens that equal
+what was sampled at their positions, plus the token sampled after that run. A row's logits
+are the same bits in a chunk of any size (the CPU kernels are row-invariant, the GPU's in
+the batch-invariant mode), and a sampled row's draw depends only on the request's seed and
+the position (``sampler.position_generator``), so the answer is token for token the one
+plain decoding gives; only the number of steps changes.
+
+``NgramIndex`` maps each n-gram (``min_n`` to ``max_n`` tokens) to the position after its
+most recent occurrence. It is built once per request from the prompt (numpy: about a
+millisecond at 8,000 tokens) and extended by each accepted token; a lookup hashes the last
+``n`` tokens (a few microseconds). n-grams are keyed by a 64-bit polynomial hash: a
+collision proposes a wrong draft, which verification rejects, never a wrong answer.
+
+``DraftPolicy`` keeps speculation from losing. A drafted token is worth the chance that it
+is accepted: the request's recent acceptance rate (a drafted token held after its
+predecessor did; a new request starts from the engine's) to the power of its place in the
+draft. A step's cost by its rows is measured (``StepCost``: forward passes timed at start,
+then the engine's own steps). Each step takes the most valuable drafted tokens of all
+decoding requests while the step's expected tokens per second grow: at one request a few
+rows cost little and drafts are long; under load the batch's rows already fill the
+products, extra rows cost nearly their share, and only drafts likely to hold are taken; a
+request whose drafts keep missing drafts nothing until its acceptance recovers (it is
+verified again only when rows are nearly free). bench/speculation.py measures the costs
+and the gains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+SPECULATE_MODES = ("prompt-lookup", "off")  # EngineConfig.speculate
+
+_MULT = np.uint64(0x9E3779B97F4A7C15)  # the golden-ratio multiplier of Fibonacci hashing
+_MASK = (1 << 64) - 1
+
+
+def _key(tokens) -> int:
+    """The 64-bit key of an n-gram (Python ints), equal to ``_keys``' for the same tokens."""
+    h = 0
+    for t in tokens:
+        h = ((h * 0x9E3779B97F4A7C15) + t + 1) & _MASK
+    return h
+
+
+def _keys(arr: np.ndarray, n: int) -> np.ndarray:
+    """The keys of every n-gram of ``arr`` (uint64), n-gram ``i`` being ``arr[i:i+n]``."""
+    m = len(arr) - n + 1
+    h = np.zeros(m, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for j in range(n):
+            h = h * _MULT + arr[j : j + m] + np.uint64(1)
+    return h
+
+
+class NgramIndex:
+    """Where each n-gram of a token sequence last occurred (module docstring).
+
+    ``tables[n]`` maps an n-gram's key to the position after it, for n-grams whose next
+    token is known: after ``extend`` to length ``L``, those ending before position ``L - 1``.
+    The n-gram ending at the last token is looked up, not yet indexed, so a lookup finds an
+    earlier occurrence."""
+
+    def __init__(self, min_n: int, max_n: int):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min <= max, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self.tables: dict[int, dict[int, int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self.length = 0  # tokens indexed so far
+
+    def build(self, tokens: list[int]) -> None:
+        """Index a whole sequence at once (a prompt)."""
+        arr = np.asarray(tokens, dtype=np.uint64)
+        for n, table in self.tables.items():
+            if len(arr) > n:
+                # n-gram i = tokens[i:i+n] is followed by position i + n; the last one (ending
+                # at the sequence's last token) has no follower yet
+                keys = _keys(arr[:-1], n)
+                table.update(zip(keys.tolist(), range(n, n + len(keys)), strict=True))
+        self.length = len(tokens)
+
+    def extend(self, seq, length: int) -> None:
+        """Index the n-grams that gained a follower as the sequence grew to ``length`` tokens
+        (``seq[i]`` is token i: a request's ``token_ids`` slices)."""
+        if length <= self.length:
+            return
+        lo = max(0, self.length - self.max_n - 1)
+        window = seq(lo, length)
+        for end in range(self.length, length):  # position ``end`` now has a token
+            for n, table in self.tables.items():
+                if end - n >= 0:
+                    table[_key(window[end - n - lo : end - lo])] = end
+        self.length = length
+
+    def propose(self, seq, length: int, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest
+        n-gram ending the sequence (``length`` tokens, ``seq`` as in ``extend``); [] where
+        none occurred."""
+        if k <= 0 or length < self.min_n + 1:
+            return []
+        tail = seq(max(0, length - self.max_n), length)
+        for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
+            follow = self.tables[n].get(_key(tail[len(tail) - n :]))
+            if follow is not None and follow < length:
+                return seq(follow, min(follow + k, length))
+        return []
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """Prompt-lookup speculation's settings (``EngineConfig.speculation``)."""
+
+    max_draft_tokens: int = 15  # k at most, per request and step
+    min_ngram: int = 1
+    max_ngram: int = 4
+    # rows a step may carry with drafts (decode and draft rows of every request), whatever
+    # the cost table says
+    max_step_rows: int = 64
+    # how fast a request's acceptance forgets its older verifications (per verification)
+    decay: float = 0.8
+    # a request's acceptance starts at the engine's, as if from this many drafted tokens
+    prior_tokens: float = 2.0
+
+    def __post_init__(self):
+        if self.max_draft_tokens < 1:
+            raise ValueError("max_draft_tokens must be at least 1")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError("n-gram sizes must satisfy 1 <= min_ngram <= max_ngram")
+        if self.max_step_rows < 2:
+            raise ValueError("max_step_rows must be at least 2")
+        if not 0 < self.decay <= 1:
+            raise ValueError("decay must be in (0, 1]")
+
+
+class StepCost:
+    """Seconds of a step by its rows (decode and drafted rows, no prompt chunk): points timed
+    at start (``ModelRunner.profile_reserve``), interpolated between them, extrapolated past
+    the last two, and replaced by what the engine's own steps of that many rows took (a
+    moving average) once it has seen a few. Without points every row count costs the same
+    (nothing was timed: drafts are limited by ``max_step_rows`` alone)."""
+
+    SEEN = 3  # steps of a row count before their average replaces the interpolation
+
+    def __init__(self, points: list[tuple[int, float]] | None = None):
+        self.points = sorted(points or [])
+        self.seen: dict[int, tuple[int, float]] = {}  # rows -> (steps, average seconds)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        n, avg = self.seen.get(rows, (0, seconds))
+        self.seen[rows] = (n + 1, avg + (seconds - avg) * (0.5 if n < self.SEEN else 0.1))
+
+    def __call__(self, rows: int) -> float:
+        n, avg = self.seen.get(rows, (0, 0.0))
+        if n >= self.SEEN:
+            return avg
+        pts = self.points
+        if not pts:
+            return 1.0
+        if len(pts) == 1 or rows <= pts[0][0]:
+            return pts[0][1]
+        for (r0, t0), (r1, t1) in zip(pts, pts[1:], strict=False):
+            if rows <= r1:
+                return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
+        (r0, t0), (r1, t1) = pts[-2], pts[-1]
+        return t1 + (t1 - t0) * (rows - r1) / (r1 - r0)
+
+
+class DraftState:
+    """One request's drafting: its index, its recent acceptance and its counts."""
+
+    __slots__ = ("index", "hits", "trials", "drafted", "accepted", "steps")
+
+    def __init__(self, config: SpeculationConfig):
+        self.index = NgramIndex(config.min_ngram, config.max_ngram)
+        self.hits = 0.0  # decayed: drafted tokens accepted
+        self.trials = 0.0  # decayed: drafted tokens verified up to the first rejected one
+        self.drafted = 0  # drafted tokens verified
+        self.accepted = 0  # of those, equal to the answer's tokens
+        self.steps = 0  # verification steps
+
+    @property
+    def rejected(self) -> int:
+        return self.drafted - self.accepted
+
+
+class DraftPolicy:
+    """Which requests draft and how much: the drafts that make a step's tokens per second
+    highest (module docstring)."""
+
+    def __init__(self, config: SpeculationConfig, cost: StepCost | None = None):
+        self.config = config
+        self.cost = cost or StepCost()
+        self.hits = 1.0  # the engine's acceptance (decayed), every request's prior
+        self.trials = 2.0
+
+    def state(self, req) -> DraftState:
+        if req.draft is None:
+            req.draft = DraftState(self.config)
+        return req.draft
+
+    def acceptance(self, req) -> float:
+        """The chance that a drafted token is accepted after its predecessor was: the
+        request's recent verifications, starting from the engine's."""
+        st, prior = self.state(req), self.config.prior_tokens
+        engine = self.hits / self.trials
+        return (st.hits + prior * engine) / (st.trials + prior)
+
+    def propose(self, req, room: int) -> list[int]:
+        """Up to ``room`` tokens the request's index proposes after its tokens."""
+        if room <= 0:
+            return []
+        idx = self.state(req).index
+        if idx.length == 0:
+            idx.build(req.prompt_token_ids)
+        length = req.num_tokens
+        idx.extend(req.token_ids, length)
+        return idx.propose(req.token_ids, length, room)
+
+    def plan(self, proposals: dict, num_rows: int, max_rows: int) -> dict:
+        """The drafts a step carries: of the proposals (request -> tokens), for a step of
+        ``num_rows`` rows without them (each decoding request's next token), the tokens
+        whose expected acceptance (a token is worth the chance that it and every drafted
+        token before it hold) gives the most tokens per second of the step's cost, at most
+        ``max_rows`` rows in all. Returns request -> the draft it carries."""
+        cands = []
+        for req, tokens in proposals.items():
+            a, p = self.acceptance(req), 1.0
+            for j in range(len(tokens)):
+                p *= a
+                cands.append((-p, j, id(req), req))
+        cands.sort(key=lambda c: c[:3])
+        room = min(len(cands), max_rows - num_rows)
+        best, best_rate, tokens = 0, num_rows / self.cost(num_rows), float(num_rows)
+        for e in range(room):
+            tokens -= cands[e][0]
+            rate = tokens / self.cost(num_rows + e + 1)
+            if rate > best_rate:
+                best, best_rate = e + 1, rate
+        take: dict = {}
+        for _, _, _, req in cands[:best]:
+            take[req] = take.get(req, 0) + 1
+        return {req: tuple(proposals[req][:n]) for req, n in take.items()}
+
+    def verified(self, req, drafted: int, accepted: int) -> None:
+        """A verification of ``drafted`` tokens of which the first ``accepted`` held."""
+        st, d = self.state(req), self.config.decay
+        st.drafted += drafted
+        st.accepted += accepted
+        st.steps += 1
+        trials = accepted + (accepted < drafted)  # up to the first rejected one
+        st.hits = st.hits * d + accepted
+        st.trials = st.trials * d + trials
+        self.hits = self.hits * 0.99 + accepted
+        self.trials = self.trials * 0.99 + trials

@@ -1,0 +1,234 @@
+"""Prompt-lookup speculation: the n-gram index, and answers token for token (logits bit for bit)
+those of plain decoding, on the real model."""
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from inference import LLM, SamplingParams
+from inference.engine.sequence import Request
+from inference.engine.speculate import DraftPolicy, NgramIndex, SpeculationConfig, StepCost
+from prompts import PromptBuilder
+
+ROOT = Path(__file__).resolve().parents[1]
+PUMP = (
+    "The pump has three modes. Mode A runs continuously. Mode B runs for 15 minutes every hour. "
+    "Mode C runs only when the float switch closes. To reset the pump, hold the red button for "
+    "5 seconds until the light blinks twice. The filter must be cleaned every 30 days; a dirty "
+    "filter triggers error E4. Error E7 means the motor is overheating: switch the pump off and "
+    "let it cool for one hour. "
+) * 6
+TARX = (ROOT / "app" / "samples" / "tarx-manual.md").read_text()[:5000]
+# answers that quote the manual, and answers in other words
+QUOTING = {
+    "pump": ["How do I reset the pump? Quote the manual.", "What does error E7 mean?"],
+    "tarx": ["How do I create a compressed archive? Give the command.", "What does -x do?"],
+}
+OTHER = {
+    "pump": ["Is this pump good for a garden? Answer yes or no.", "Summarize in your words."],
+    "tarx": ["Would you recommend tarx? One word.", "Write a haiku about archives."],
+}
+MANUALS = {"pump": PUMP, "tarx": TARX}
+
+
+def _seq(tokens):
+    return lambda a, b: tokens[a:b]
+
+
+def test_the_index_built_at_once_equals_the_one_extended_token_by_token():
+    toks = [5, 6, 7, 8, 5, 6, 7, 9, 1, 5, 6, 7]
+    whole = NgramIndex(2, 4)
+    whole.build(toks)
+    grown = NgramIndex(2, 4)
+    grown.build(toks[:3])
+    for n in range(4, len(toks) + 1):
+        grown.extend(_seq(toks), n)
+    assert whole.tables == grown.tables and grown.length == len(toks)
+    # "5 6 7" ends the sequence (no 4-gram does earlier); its latest earlier occurrence
+    # (positions 4-6) was followed by 9
+    assert whole.propose(_seq(toks), len(toks), 3) == [9, 1, 5]
+    # the longest n-gram wins over a shorter, more recent one
+    toks2 = [1, 2, 3, 4, 0, 3, 4, 7, 1, 2, 3, 4]
+    idx = NgramIndex(1, 4)
+    idx.build(toks2)
+    assert idx.propose(_seq(toks2), len(toks2), 2) == [0, 3]
+    assert idx.propose(_seq(toks2), len(toks2), 0) == []
+    none = NgramIndex(2, 3)
+    none.build([1, 2, 3, 4])
+    assert none.propose(_seq([1, 2, 3, 4]), 4, 4) == []
+    with pytest.raises(ValueError, match="n-gram sizes"):
+        NgramIndex(3, 2)
+
+
+def test_an_8000_token_prompt_is_indexed_once_and_looked_up_in_microseconds():
+    """A behaviour check with a generous bound (the figures are bench/speculation.py's)."""
+    import random
+
+    rng = random.Random(0)
+    toks = [rng.randrange(49152) for _ in range(8000)]
+    idx = NgramIndex(2, 4)
+    t0 = time.perf_counter()
+    idx.build(toks)
+    built = time.perf_counter() - t0
+    seq = toks + toks[100:104]
+    t0 = time.perf_counter()
+    for _ in range(100):
+        draft = idx.propose(_seq(seq), len(seq), 8)
+    per_lookup = (time.perf_counter() - t0) / 100
+    assert draft == toks[104:112]
+    assert built < 1.0 and per_lookup < 0.01, (built, per_lookup)
+
+
+def test_the_policy_drafts_where_rows_are_cheap_and_only_likely_tokens_under_load():
+    # rows cost nothing up to 8, then a quarter of a decode row's share each, then their share
+    cost = StepCost([(1, 0.010), (8, 0.010), (16, 0.016), (32, 0.020), (64, 0.060)])
+    policy = DraftPolicy(SpeculationConfig(max_draft_tokens=8), cost)
+    req = Request("r", [1, 2, 3, 1, 2], SamplingParams())
+    assert policy.propose(req, 8) == [3, 1, 2]  # "1 2" was followed by 3
+    # alone, the free rows carry the whole proposal, whatever its acceptance
+    assert policy.plan({req: [3, 1, 2]}, 1, 64) == {req: (3, 1, 2)}
+    for _ in range(6):  # its drafts keep missing: its acceptance falls from the engine's
+        policy.verified(req, 3, 0)
+    assert policy.acceptance(req) < 0.2
+    assert policy.plan({req: [3, 1, 2]}, 1, 64) == {req: (3, 1, 2)}  # still free
+    # 16 requests decoding: the missing request drafts nothing, one whose drafts held
+    # drafts while its tokens are likely enough to pay for their rows
+    good = Request("g", [1, 2, 3, 1, 2], SamplingParams())
+    for _ in range(6):
+        policy.verified(good, 4, 4)
+    plan = policy.plan({req: [3, 1, 2], good: [3, 1, 2, 9]}, 16, 64)
+    assert req not in plan and len(plan[good]) >= 3, plan
+    # the step's rows never pass max_rows
+    assert policy.plan({good: [3, 1, 2, 9]}, 16, 17) == {good: (3,)}
+    st = req.draft
+    assert (st.drafted, st.accepted, st.rejected, st.steps) == (18, 0, 18, 6)
+    with pytest.raises(ValueError):
+        SpeculationConfig(max_step_rows=1)
+
+
+def test_step_costs_interpolate_then_follow_the_engines_own_steps():
+    cost = StepCost([(1, 0.010), (4, 0.016), (8, 0.020)])
+    assert cost(1) == 0.010 and cost(2) == pytest.approx(0.012) and cost(16) == pytest.approx(0.028)
+    for _ in range(StepCost.SEEN):
+        cost.observe(2, 0.030)
+    assert cost(2) == pytest.approx(0.030) and cost(3) == pytest.approx(0.014)
+    assert StepCost()(5) == StepCost()(50)  # nothing timed: rows cost alike
+
+
+# -- the real model ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llms(default_model_dir):
+    """The same model twice, with and without speculation, in the dtypes docqa computes in."""
+    out = {}
+    for dtype in ("bfloat16", "float32"):
+        out[dtype] = {
+            mode: LLM(default_model_dir, dtype=dtype, kv_cache_gib=0.25, speculate=mode)
+            for mode in ("off", "prompt-lookup")
+        }
+    return out
+
+
+def _run(llm, prompts, params, speculate=(True,), keep_logits=True):
+    """Every prompt at once (one batch); the finished requests, in order."""
+    eng = llm.engine
+    flags = list(speculate) * len(prompts) if len(speculate) == 1 else list(speculate)
+    reqs = [
+        eng.add_request(ids, params, keep_logits=keep_logits, speculate=s)
+        for ids, s in zip(prompts, flags, strict=True)
+    ]
+    while not all(r.finished for r in reqs):
+        eng.step()
+    for r in reqs:
+        assert r.error is None, r.error
+        eng.release(r)
+    return reqs
+
+
+def _prompts(llm, name, questions):
+    builder = PromptBuilder(llm.tokenizer)
+    return [builder.build(MANUALS[name], q).token_ids for q in questions]
+
+
+def _same_answers(plain, spec):
+    for p, s in zip(plain, spec, strict=True):
+        assert s.output_token_ids == p.output_token_ids
+        assert len(s.logits) == len(p.logits)
+        for i, (a, b) in enumerate(zip(p.logits, s.logits, strict=True)):
+            assert torch.equal(a, b), f"logits differ at output position {i}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_greedy_answers_and_their_logits_are_bitwise_those_of_plain_decoding(llms, dtype):
+    off, on = llms[dtype]["off"], llms[dtype]["prompt-lookup"]
+    params = SamplingParams(max_tokens=48)
+    accepted = {}
+    for name in MANUALS:
+        for kind, qs in (("quoting", QUOTING[name]), ("other", OTHER[name])):
+            plain = [_run(off, [ids], params)[0] for ids in _prompts(off, name, qs)]
+            spec = [_run(on, [ids], params)[0] for ids in _prompts(on, name, qs)]
+            _same_answers(plain, spec)
+            assert all(p.num_accepted_tokens == 0 for p in plain)
+            accepted[name, kind] = sum(s.num_accepted_tokens for s in spec)
+            for s in spec:
+                d = s.draft
+                assert d.accepted + d.rejected == d.drafted
+    # answers that quote the manual do take drafted tokens
+    assert all(accepted[name, "quoting"] > 0 for name in MANUALS), accepted
+    on.engine.kv_manager.check_integrity()
+
+
+@pytest.mark.slow
+def test_seeded_sampled_answers_are_those_of_plain_decoding(llms):
+    off, on = llms["bfloat16"]["off"], llms["bfloat16"]["prompt-lookup"]
+    for seed in (1, 2):
+        params = SamplingParams(max_tokens=40, temperature=0.7, top_p=0.95, seed=seed)
+        for name in MANUALS:
+            prompts = _prompts(off, name, QUOTING[name][:1])
+            plain = _run(off, prompts, params)
+            spec = _run(on, prompts, params)
+            _same_answers(plain, spec)
+    low = SamplingParams(max_tokens=40, temperature=0.2, seed=3)
+    spec = _run(on, _prompts(on, "tarx", QUOTING["tarx"][:1]), low)
+    assert spec[0].num_accepted_tokens > 0  # a near-greedy answer quotes: drafts were taken
+
+
+@pytest.mark.slow
+def test_a_batch_mixing_requests_with_and_without_drafts_gives_each_its_plain_answer(llms):
+    off, on = llms["bfloat16"]["off"], llms["bfloat16"]["prompt-lookup"]
+    greedy = SamplingParams(max_tokens=40)
+    prompts = _prompts(off, "tarx", QUOTING["tarx"]) + _prompts(off, "pump", QUOTING["pump"])
+    alone = [_run(off, [ids], greedy)[0] for ids in prompts]
+    mixed = _run(on, prompts, greedy, speculate=(True, False, True, False))
+    _same_answers(alone, mixed)
+    assert mixed[0].num_accepted_tokens + mixed[2].num_accepted_tokens > 0
+    assert mixed[1].draft is None and mixed[3].draft is None
+
+
+@pytest.mark.slow
+def test_no_cached_block_holds_a_rejected_drafts_kv(llms):
+    """After answers with drafts rejected, every block the cache indexed holds the KV its
+    tokens compute: the whole conversation asked again hits the answers' blocks and gives the
+    logits a cold run gives, bit for bit."""
+    on = llms["bfloat16"]["prompt-lookup"]
+    eng = on.engine
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    prompts = _prompts(on, "tarx", QUOTING["tarx"] + OTHER["tarx"])
+    answered = _run(on, prompts, params, keep_logits=False)
+    assert sum(r.num_rejected_tokens for r in answered) > 0
+    eng.kv_manager.check_integrity()
+    bs = eng.kv_spec.block_size
+    for r in answered:
+        whole = r.prompt_token_ids + r.output_token_ids
+        warm = _run(on, [whole], SamplingParams(max_tokens=1), speculate=(False,))[0]
+        cold = eng.add_request(whole, SamplingParams(max_tokens=1), use_cache=False,
+                               keep_logits=True)  # fmt: skip
+        while not cold.finished:
+            eng.step()
+        eng.release(cold)
+        # the answer's full blocks came from the cache (all but the last token's block)
+        assert warm.num_cached_tokens >= (len(whole) - 1) // bs * bs
+        assert torch.equal(warm.logits[0], cold.logits[0])
+    eng.kv_manager.check_integrity()
