@@ -161,6 +161,10 @@ def test_sampling_with_seed_is_reproducible(llm):
     a = llm.generate(prompt_token_ids=[ids], sampling_params=sp)[0]
     b = llm.generate(prompt_token_ids=[ids], sampling_params=sp)[0]
     assert a.token_ids == b.token_ids
+    # any 64-bit seed a client may send, negative or past torch's signed range
+    for seed in (-1, 2**63, 2**64 - 1):
+        sp = SamplingParams(max_tokens=2, temperature=0.9, seed=seed)
+        assert len(llm.generate(prompt_token_ids=[ids], sampling_params=sp)[0].token_ids) == 2
 
 
 def test_sampling_params_validate():

@@ -108,13 +108,19 @@ def test_the_policy_drafts_where_rows_are_cheap_and_only_likely_tokens_under_loa
         SpeculationConfig(max_step_rows=1)
 
 
-def test_step_costs_interpolate_then_follow_the_engines_own_steps():
+def test_step_costs_follow_the_engines_own_steps_and_learn_what_drafted_rows_add():
     cost = StepCost([(1, 0.010), (4, 0.016), (8, 0.020)])
-    assert cost(1) == 0.010 and cost(2) == pytest.approx(0.012) and cost(16) == pytest.approx(0.028)
-    for _ in range(StepCost.SEEN):
-        cost.observe(2, 0.030)
-    assert cost(2) == pytest.approx(0.030) and cost(3) == pytest.approx(0.014)
-    assert StepCost()(5) == StepCost()(50)  # nothing timed: rows cost alike
+    assert cost(1, 1) == 0.010 and cost(2, 2) == pytest.approx(0.012)
+    assert cost(4, 16) == pytest.approx(0.016 + 0.012)  # past the points, along the last two
+    for _ in range(StepCost.SEEN):  # plain steps of 4 requests take 30 ms here
+        cost.observe(4, 4, 0.030)
+    assert cost(4, 4) == pytest.approx(0.030)
+    # drafted rows, measured against those 30 ms, cost twice what the points say
+    assert cost(4, 8) == pytest.approx(0.034)
+    for _ in range(60):
+        cost.observe(4, 8, 0.038)
+    assert cost.scale == pytest.approx(2.0, rel=0.01) and cost(4, 8) == pytest.approx(0.038, 1e-3)
+    assert StepCost()(5, 5) == StepCost()(5, 50)  # nothing timed: rows cost alike
 
 
 # -- the real model ------------------------------------------------------------------------------

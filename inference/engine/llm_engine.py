@@ -186,6 +186,7 @@ class LLMEngine:
         seed = params.seed
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little") >> 1
+        seed %= 2**63  # any integer a client sends; torch takes signed 64-bit seeds
         req = Request(
             rid,
             list(prompt_token_ids),
@@ -313,7 +314,7 @@ class LLMEngine:
         if prefill_chunks and len(prefill_chunks) == len(sched.chunks):
             self.cost_model.observe(prefill_chunks, model_s)
         elif not prefill_chunks and self.drafts is not None:  # decode and verification rows
-            self.drafts.cost.observe(sched.num_tokens, model_s)
+            self.drafts.cost.observe(len(sched.chunks), sched.num_tokens, model_s)
 
     def _append_tokens(self, sched: SchedulerOutput, out: RunnerOutput) -> list[Request]:
         """Each sampled token to its request (a verification's accepted run and the token

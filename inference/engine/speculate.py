@@ -140,26 +140,25 @@ class SpeculationConfig:
 
 
 class StepCost:
-    """Seconds of a step by its rows (decode and drafted rows, no prompt chunk): points timed
-    at start (``ModelRunner.profile_reserve``), interpolated between them, extrapolated past
-    the last two, and replaced by what the engine's own steps of that many rows took (a
-    moving average) once it has seen a few. Without points every row count costs the same
-    (nothing was timed: drafts are limited by ``max_step_rows`` alone)."""
+    """Seconds of a step of ``seqs`` decoding requests carrying ``rows`` rows in all (their
+    drafted rows included, no prompt chunk): the requests' plain decode step, as the engine's
+    own steps of that many requests took (a moving average; the points timed at start until
+    it has seen a few), plus the drafted rows' extra cost: what the points timed at start
+    (``ModelRunner.time_rows``: one request, 1 to 64 rows) add from ``seqs`` rows to ``rows``,
+    times a scale learned from the engine's verification steps (extra rows over many requests'
+    contexts cost more than over one). Without points nothing was timed: every step costs
+    the same, and drafts are limited by ``max_step_rows`` alone."""
 
-    SEEN = 3  # steps of a row count before their average replaces the interpolation
+    SEEN = 3  # decode steps of a size before their average replaces the points
 
     def __init__(self, points: list[tuple[int, float]] | None = None):
         self.points = sorted(points or [])
-        self.seen: dict[int, tuple[int, float]] = {}  # rows -> (steps, average seconds)
+        self.bases: dict[int, tuple[int, float]] = {}  # seqs -> (steps, average seconds)
+        self.scale = 1.0  # drafted rows' measured extra cost over the points' prediction
 
-    def observe(self, rows: int, seconds: float) -> None:
-        n, avg = self.seen.get(rows, (0, seconds))
-        self.seen[rows] = (n + 1, avg + (seconds - avg) * (0.5 if n < self.SEEN else 0.1))
-
-    def __call__(self, rows: int) -> float:
-        n, avg = self.seen.get(rows, (0, 0.0))
-        if n >= self.SEEN:
-            return avg
+    def interpolate(self, rows: int) -> float:
+        """The points' seconds at ``rows``: linear between them, past the last two along
+        them."""
         pts = self.points
         if not pts:
             return 1.0
@@ -170,6 +169,28 @@ class StepCost:
                 return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
         (r0, t0), (r1, t1) = pts[-2], pts[-1]
         return t1 + (t1 - t0) * (rows - r1) / (r1 - r0)
+
+    def base(self, seqs: int) -> float:
+        n, avg = self.bases.get(seqs, (0, 0.0))
+        return avg if n >= self.SEEN else self.interpolate(seqs)
+
+    def extra(self, seqs: int, rows: int) -> float:
+        return self.scale * max(0.0, self.interpolate(rows) - self.interpolate(seqs))
+
+    def __call__(self, seqs: int, rows: int) -> float:
+        return self.base(seqs) + self.extra(seqs, rows)
+
+    def observe(self, seqs: int, rows: int, seconds: float) -> None:
+        """A step of decode and verification rows only: a plain one moves its size's
+        average; one with drafted rows, measured against that average, moves the scale."""
+        n, avg = self.bases.get(seqs, (0, seconds))
+        if rows == seqs:
+            self.bases[seqs] = (n + 1, avg + (seconds - avg) * (0.5 if n < self.SEEN else 0.1))
+            return
+        predicted = self.interpolate(rows) - self.interpolate(seqs)
+        if n >= self.SEEN and predicted > 0.02 * avg:
+            ratio = min(max((seconds - avg) / predicted, 0.25), 8.0)
+            self.scale += (ratio - self.scale) * 0.1
 
 
 class DraftState:
@@ -237,10 +258,10 @@ class DraftPolicy:
                 cands.append((-p, j, id(req), req))
         cands.sort(key=lambda c: c[:3])
         room = min(len(cands), max_rows - num_rows)
-        best, best_rate, tokens = 0, num_rows / self.cost(num_rows), float(num_rows)
+        best, best_rate, tokens = 0, num_rows / self.cost(num_rows, num_rows), float(num_rows)
         for e in range(room):
             tokens -= cands[e][0]
-            rate = tokens / self.cost(num_rows + e + 1)
+            rate = tokens / self.cost(num_rows, num_rows + e + 1)
             if rate > best_rate:
                 best, best_rate = e + 1, rate
         take: dict = {}
