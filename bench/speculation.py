@@ -41,6 +41,7 @@ from inference import LLM, SamplingParams  # noqa: E402
 from inference.engine.scheduler import ScheduledChunk, SchedulerOutput  # noqa: E402
 from prompts import PromptBuilder  # noqa: E402
 
+# a short manual repeated, the one tests/test_real_model.py and tests/test_speculation.py ask
 PUMP = (
     "The pump has three modes. Mode A runs continuously. Mode B runs for 15 minutes every hour. "
     "Mode C runs only when the float switch closes. To reset the pump, hold the red button for "

@@ -126,6 +126,8 @@ def test_out_of_range_question_parameters(api):
     err = error_of(api.post(url, json={"content": "q", "temperature": 3}), 400, "invalid_request")
     assert "temperature" in err["message"] and err["limit"] == 2.0
     error_of(api.post(url, json={"content": "q", "cache": "sometimes"}), 400, "invalid_request")
+    err = error_of(api.post(url, json={"content": "q", "speculate": "yes"}), 400, "invalid_request")
+    assert "speculate" in err["message"], err
     error_of(api.post(url, json={"content": "   "}), 400, "empty_question")
     error_of(api.post(url, json={"content": ""}), 400, "invalid_request")
     error_of(api.post(url, content=b"{nope", headers={"content-type": "application/json"}), 400,

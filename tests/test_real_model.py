@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from bench.speculation import PUMP
 from inference import LLM, SamplingParams
 from inference.attention.metadata import AttentionMetadata
 from inference.model.llama import LlamaModel
@@ -12,13 +13,7 @@ from prompts import PromptBuilder
 
 pytestmark = pytest.mark.slow
 
-MANUAL = (
-    "The pump has three modes. Mode A runs continuously. Mode B runs for 15 minutes every hour. "
-    "Mode C runs only when the float switch closes. To reset the pump, hold the red button for "
-    "5 seconds until the light blinks twice. The filter must be cleaned every 30 days; a dirty "
-    "filter triggers error E4. Error E7 means the motor is overheating: switch the pump off and "
-    "let it cool for one hour. "
-) * 6
+MANUAL = PUMP  # a short manual repeated: answers about it quote it
 QUESTIONS = [
     "How do I reset the pump?",
     "What does error E7 mean?",

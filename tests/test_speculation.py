@@ -7,19 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.speculation import PUMP  # the pump manual of the benchmark and test_real_model
 from inference import LLM, SamplingParams
 from inference.engine.sequence import Request
 from inference.engine.speculate import DraftPolicy, NgramIndex, SpeculationConfig, StepCost
 from prompts import PromptBuilder
 
 ROOT = Path(__file__).resolve().parents[1]
-PUMP = (
-    "The pump has three modes. Mode A runs continuously. Mode B runs for 15 minutes every hour. "
-    "Mode C runs only when the float switch closes. To reset the pump, hold the red button for "
-    "5 seconds until the light blinks twice. The filter must be cleaned every 30 days; a dirty "
-    "filter triggers error E4. Error E7 means the motor is overheating: switch the pump off and "
-    "let it cool for one hour. "
-) * 6
 TARX = (ROOT / "app" / "samples" / "tarx-manual.md").read_text()[:5000]
 # answers that quote the manual, and answers in other words
 QUOTING = {
