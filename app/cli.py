@@ -42,6 +42,54 @@ def cmd_model_import(args) -> int:
     return 0
 
 
+def cmd_model_list(args) -> int:
+    """The imported models: name, family, size, quantization, window, KV bytes per token."""
+    from inference.kv_sizing import format_bytes
+    from inference.model.model_import import list_models, models_dir
+
+    rows = list_models()
+    if args.json:
+        print(
+            json.dumps(
+                [
+                    {
+                        "name": m.name,
+                        "path": str(m.path),
+                        "family": m.family,
+                        "parameters": m.parameters,
+                        "quantization": m.quantization,
+                        "window": m.window,
+                        "kv_bytes_per_token": m.kv_bytes_per_token,
+                        "disk_bytes": m.disk_bytes,
+                    }
+                    for m in rows
+                ],
+                indent=2,
+            )
+        )
+        return 0
+    if not rows:
+        print(f"no models under {models_dir()} (docqa model import [--gguf FILE])")
+        return 0
+    head = ("NAME", "FAMILY", "PARAMS", "QUANT", "WINDOW", "KV/TOKEN", "DISK")
+    table = [
+        (
+            m.name,
+            m.family,
+            f"{m.parameters / 1e6:,.0f}M",
+            m.quantization,
+            f"{m.window:,}",
+            format_bytes(m.kv_bytes_per_token),
+            format_bytes(m.disk_bytes),
+        )
+        for m in rows
+    ]
+    widths = [max(len(r[i]) for r in [head, *table]) for i in range(len(head))]
+    for r in [head, *table]:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    return 0
+
+
 def cmd_workload_export(args) -> int:
     """Every answered turn of the stored conversations as {"prompt_tokens", "output_tokens"}
     JSON lines, for ``docqa kv-budget --workload``."""
@@ -210,10 +258,17 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("model", help="manage models")
     msub = m.add_subparsers(dest="model_command", required=True)
     mi = msub.add_parser("import", help="import the default model (or --gguf FILE)")
-    mi.add_argument("--gguf", help="import this Llama-family GGUF file instead")
+    mi.add_argument(
+        "--gguf",
+        help="import this GGUF file instead (llama, mistral, qwen2, qwen3; F32/F16/BF16, Q8_0, "
+        "Q4_0/1, Q5_0/1, Q2_K..Q6_K)",
+    )
     mi.add_argument("--output", help="directory to write (default: under $DOCQA_HOME/models)")
     mi.add_argument("--force", action="store_true", help="import again even if present")
     mi.set_defaults(func=cmd_model_import)
+    ml = msub.add_parser("list", help="the imported models (serve one with serve --model NAME)")
+    ml.add_argument("--json", action="store_true", help="as JSON")
+    ml.set_defaults(func=cmd_model_list)
 
     kb = sub.add_parser(
         "kv-budget", help="KV cache arithmetic and capacity planning for a model config"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import threading
 import time
@@ -147,6 +148,8 @@ class EngineRunner:
         self.engine: LLMEngine | None = None
         self.builder: PromptBuilder | None = None
         self.model_name: str | None = None
+        self.model_family: str | None = None  # config.json's model_type
+        self.model_quantization: str | None = None  # the GGUF's file type, or the dtype
         self.random_weights = False  # a benchmark model (``random:NAME``): answers are noise
         self.started_at = time.time()
         self._cv = threading.Condition()
@@ -182,6 +185,9 @@ class EngineRunner:
             self.random_weights = "random_weights_seed" in kwargs
             self.builder = PromptBuilder(engine.tokenizer)
             self.model_name = model_dir.name
+            raw = json.loads((model_dir / "config.json").read_text())
+            self.model_family = str(raw.get("model_type", "llama"))
+            self.model_quantization = str(raw.get("gguf_quantization") or raw.get("torch_dtype"))
             self.engine = engine
             self.state = "ready"
             log.info("engine ready in %.1f s", time.perf_counter() - t0)

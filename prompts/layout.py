@@ -47,15 +47,25 @@ class PromptBuilder:
         self.tok = tokenizer
         self.fmt: ChatFormat = detect_format(tokenizer.chat_template)
         self.system_prompt = system_prompt
-        self._special_cache: dict[str, int] = {}
+        self._special_cache: dict[str, list[int]] = {}
+        # a model that reasons in <think> blocks (Qwen3) answers directly after an empty one,
+        # as its template writes with enable_thinking off
+        self._no_think: list[int] = []
+        think, end = tokenizer.special_id("<think>"), tokenizer.special_id("</think>")
+        if "<think>" in (tokenizer.chat_template or "") and think is not None and end is not None:
+            self._no_think = [think, *tokenizer.encode("\n\n"), end, *tokenizer.encode("\n\n")]
 
     def _special(self, token: str) -> list[int]:
         if token not in self._special_cache:
             tid = self.tok.special_id(token)
-            if tid is None:
+            if tid is not None:
+                self._special_cache[token] = [tid]
+            elif token in self.fmt.text_markers:
+                # Mistral 7B v0.1/v0.2 and Llama 2 spell [INST] in text: no token of its own
+                self._special_cache[token] = self.tok.encode(token)
+            else:
                 raise ValueError(f"the tokenizer has no {token!r} token for {self.fmt.name}")
-            self._special_cache[token] = tid
-        return [self._special_cache[token]]
+        return list(self._special_cache[token])
 
     def end_of_turn_id(self) -> int:
         return self._special(self.fmt.end_of_turn)[0]
@@ -64,6 +74,9 @@ class PromptBuilder:
     def _open(self, role: str) -> list[int]:
         f = self.fmt
         if f.name == "mistral":
+            # a SentencePiece tokenizer puts the space before the turn's text itself
+            if getattr(self.tok, "prefix_space", False):
+                return self._special(f.turn_open)
             return self._special(f.turn_open) + self.tok.encode(f.role_suffix)
         return self._special(f.turn_open) + self.tok.encode(role + f.role_suffix)
 
@@ -113,7 +126,7 @@ class PromptBuilder:
         f = self.fmt
         if f.name == "mistral":
             return []
-        return self._open(f.assistant_role)
+        return self._open(f.assistant_role) + self._no_think
 
     def _turn_ids(self, turn: Turn, first_turn: bool) -> list[int]:
         ids = self._question_ids(turn.question, first_turn) + self._assistant_open()

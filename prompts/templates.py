@@ -24,6 +24,8 @@ class ChatFormat:
     user_role: str = "user"
     assistant_role: str = "assistant"
     end_of_turn: str = ""  # the token generation stops at
+    # turn markers an older vocabulary spells in plain text where it has no token for them
+    text_markers: tuple[str, ...] = ()
 
 
 CHATML = ChatFormat(
@@ -39,7 +41,16 @@ LLAMA3 = ChatFormat(
     end_of_turn="<|eot_id|>",
 )
 # Mistral's [INST] form has no system role: instructions and manual open the first user turn.
-MISTRAL = ChatFormat("mistral", ("<s>",), "[INST]", " ", "[/INST]", "", end_of_turn="</s>")
+MISTRAL = ChatFormat(
+    "mistral",
+    ("<s>",),
+    "[INST]",
+    " ",
+    "[/INST]",
+    "",
+    end_of_turn="</s>",
+    text_markers=("[INST]", "[/INST]"),
+)
 
 
 def detect_format(chat_template: str) -> ChatFormat:

@@ -80,3 +80,31 @@ def test_overflow_drops_oldest_turns_then_errors(tokenizer):
         assert "context is 200 tokens" in str(e) and e.limit == 200 and e.needed > 200
     else:
         raise AssertionError("expected PromptLayoutTooLong")
+
+
+def test_a_thinking_model_answers_after_an_empty_think_block(tmp_path, default_model_dir):
+    """Qwen3's template opens the answer with an empty <think> block when thinking is off;
+    the prompt does the same, after the question (the cached prefix is unchanged)."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer
+
+    from inference.model.tokenizer import TextTokenizer
+
+    d = tmp_path / "think"
+    d.mkdir()
+    raw = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
+    raw.add_tokens(
+        [AddedToken("<think>", normalized=False), AddedToken("</think>", normalized=False)]
+    )
+    raw.save(str(d / "tokenizer.json"))
+    config = json.loads((default_model_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] += "{% if enable_thinking is false %}<think>\n\n</think>{% endif %}"
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = TextTokenizer(d)
+    plain = PromptBuilder(TextTokenizer(default_model_dir)).build(MANUAL, "Q?")
+    p = PromptBuilder(tok).build(MANUAL, "Q?")
+    text = tok.decode(p.token_ids, skip_special_tokens=False)
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert p.token_ids[: p.prefix_len] == plain.token_ids[: plain.prefix_len]
+    assert p.token_ids[p.prefix_len :] != plain.token_ids[plain.prefix_len :]

@@ -135,6 +135,8 @@ async def engine_info(state: State) -> EngineInfo:
     queries = c["prefix_cache_queries"]
     return EngineInfo(
         model=runner.model_name,
+        model_family=runner.model_family,
+        quantization=runner.model_quantization,
         weights="random" if runner.random_weights else "files",
         dtype=dtype_name(device.dtype),
         kv_dtype=dtype_name(device.kv_dtype),

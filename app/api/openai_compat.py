@@ -90,8 +90,16 @@ class ManualOpenAIController(Controller):
 
 
 def _models(qa: QAService) -> ModelList:
-    qa.runner.require_ready()
-    return ModelList(data=[ModelCard(id=qa.runner.model_name, created=int(qa.runner.started_at))])
+    r = qa.runner
+    engine = r.require_ready()
+    card = ModelCard(
+        id=r.model_name,
+        created=int(r.started_at),
+        family=r.model_family,
+        quantization=r.model_quantization,
+        max_model_len=engine.max_model_len,
+    )
+    return ModelList(data=[card])
 
 
 async def chat_completion(qa: QAService, tenant: str, data: ChatCompletionCreate) -> Response:

@@ -118,6 +118,14 @@ class ConversationList(Struct):
 # -- engine ----------------------------------------------------------------------------------------
 class EngineInfo(Struct):
     model: str
+    model_family: Annotated[str, Meta(description="llama, mistral, qwen2 or qwen3")]
+    quantization: Annotated[
+        str,
+        Meta(
+            description="the imported GGUF's quantization (Q4_K_M, Q8_0, ...), or the "
+            "checkpoint's dtype"
+        ),
+    ]
     weights: Annotated[
         str,
         Meta(
@@ -193,6 +201,9 @@ class ModelCard(Struct):
     created: int
     object: str = "model"
     owned_by: str = "docqa"
+    family: str | None = None  # llama, mistral, qwen2 or qwen3
+    quantization: str | None = None  # the GGUF's quantization, or the checkpoint's dtype
+    max_model_len: int | None = None  # tokens a prompt and its answer may hold
 
 
 class ModelList(Struct):

@@ -26,6 +26,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """Llama-3 style frequency scaling (rope_type "llama3")."""
@@ -53,6 +57,9 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q, k and v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before the rotation
+    # per-frequency divisors of the rotary frequencies (a GGUF's rope_freqs: Llama 3 scaling)
+    rope_freq_factors: tuple[float, ...] | None = None
     torch_dtype: str = "bfloat16"  # the checkpoint's own dtype; the KV dtype defaults to it
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -76,6 +83,11 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ValueError(
+                f"rope_freq_factors has {len(self.rope_freq_factors)} entries; head_dim "
+                f"{self.head_dim} needs {self.head_dim // 2}"
+            )
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -85,9 +97,7 @@ class ModelConfig:
     def from_dict(cls, d: dict) -> ModelConfig:
         archs = d.get("architectures") or []
         mtype = d.get("model_type", "llama")
-        if mtype not in ("llama", "mistral", "qwen2") and not any(
-            a in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM") for a in archs
-        ):
+        if mtype not in MODEL_TYPES and not any(a in ARCHITECTURES for a in archs):
             raise ModelError(f"model type {mtype!r} is not a supported Llama-family model")
         heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
@@ -122,6 +132,12 @@ class ModelConfig:
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", mtype == "qwen2")),
+            qk_norm=bool(d.get("qk_norm", mtype == "qwen3")),
+            rope_freq_factors=(
+                tuple(float(x) for x in d["rope_freq_factors"])
+                if d.get("rope_freq_factors")
+                else None
+            ),
             torch_dtype=str(d.get("torch_dtype") or "bfloat16"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,

@@ -48,6 +48,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """[head_dim // 2] float32 inverse frequencies, with Llama-3 scaling when configured."""
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if cfg.rope_freq_factors is not None:
+        inv = inv / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
     rs = cfg.rope_scaling
     if rs is None:
         return inv

@@ -1,8 +1,9 @@
-"""The Llama-family model (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+"""The Llama-family model (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 Plain tensors and functions: embeddings -> [RMSNorm -> GQA attention with rotary -> residual
--> RMSNorm -> SwiGLU -> residual] x L -> RMSNorm -> tied or separate LM head. q/k/v and
-gate/up projections are fused into one product each. Every operation comes from the model's
+-> RMSNorm -> SwiGLU -> residual] x L -> RMSNorm -> tied or separate LM head (Qwen3: an RMSNorm
+over each head of q and k before the rotation). q/k/v and gate/up projections are fused into
+one product each. Every operation comes from the model's
 ``ModelOps`` table (``inference/model/ops.py``), chosen once per device and mode.
 """
 
@@ -29,6 +30,8 @@ class LayerWeights:
     post_norm: torch.Tensor  # [H]
     gate_up: object  # linear [2 * I, H]
     down: object  # linear [H, I]
+    q_norm: torch.Tensor | None = None  # [d] Qwen3
+    k_norm: torch.Tensor | None = None  # [d] Qwen3
 
 
 class LlamaModel:
@@ -100,6 +103,8 @@ class LlamaModel:
                         fused(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), None, False
                     ),
                     down=linear(take(p + "mlp.down_proj.weight"), None, False),
+                    q_norm=take(p + "self_attn.q_norm.weight") if cfg.qk_norm else None,
+                    k_norm=take(p + "self_attn.k_norm.weight") if cfg.qk_norm else None,
                 )
             )
 
@@ -123,7 +128,7 @@ class LlamaModel:
         total = 0
         tensors = [self.embed, self.final_norm]
         for lw in self.layers:
-            tensors += [lw.input_norm, lw.post_norm]
+            tensors += [lw.input_norm, lw.post_norm, lw.q_norm, lw.k_norm]
         for lin in self.linears():
             tensors += lin.held_tensors()
         for t in tensors:
@@ -142,7 +147,7 @@ class LlamaModel:
     def layer_loop(self, kv_caches):
         """The ops table's compiled layer stack over these caches (built once per pool), or
         None where the layer loop runs from Python."""
-        if self.ops.layer_loop is None or not self.compiled_layers:
+        if self.ops.layer_loop is None or not self.compiled_layers or self.cfg.qk_norm:
             return None
         key = tuple(t.data_ptr() for pair in kv_caches for t in pair)
         if key != self._loop_key:
@@ -171,6 +176,17 @@ class LlamaModel:
         h = self.ops.add_rms_norm(h, None, self.final_norm, self.cfg.rms_norm_eps)
         return self.lm_head(h).float()
 
+    def _qk_norm(self, qkv: torch.Tensor, lw: LayerWeights) -> None:
+        """Qwen3: RMSNorm over each head of q and k, in place in the fused projection's output
+        (in float32, scaled by the weight after the cast back, as transformers does)."""
+        cfg = self.cfg
+        n, d = qkv.shape[0], cfg.head_dim
+        qd, kd = cfg.num_heads * d, cfg.num_kv_heads * d
+        for part, w in ((qkv[:, :qd], lw.q_norm), (qkv[:, qd : qd + kd], lw.k_norm)):
+            x = part.reshape(n, -1, d).float()
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+            part.copy_((w * x.to(qkv.dtype)).reshape(n, -1))
+
     def _layers(self, h, positions, meta, kv_caches) -> torch.Tensor | None:
         """Every decoder layer, one op at a time: h is updated in place; returns the last
         layer's MLP output (not yet added to h)."""
@@ -181,6 +197,8 @@ class LlamaModel:
         for lw, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = ops.add_rms_norm(h, delta, lw.input_norm, eps)
             qkv = lw.qkv(x)
+            if lw.q_norm is not None:
+                self._qk_norm(qkv, lw)
             q = ops.rotary_store(
                 qkv, positions, self.rotary, cfg.num_heads, cfg.num_kv_heads, meta, k_cache, v_cache
             )

@@ -66,6 +66,9 @@ def random_weights(
                 p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
             }
         )
+        if cfg.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
     sd = {}
     for name, shape in shapes.items():
         if name.endswith("norm.weight"):
