@@ -15,6 +15,8 @@ the final server-sent event of a streamed answer).
   measurement), ``none`` (nothing came from the cache: 0). A request with ``cache: "bypass"``
   is the measured comparison.
 - ``warnings``: prompt-linter findings and notes such as dropped history turns.
+- ``part`` and ``part_scores``: for a manual stored as parts (longer than the model's window),
+  the part the answer came from and the full-text search scores of the best-ranked parts.
 """
 
 from __future__ import annotations
@@ -56,6 +58,20 @@ class Ledger(Struct):
     ttft_saved_ms: float
 
 
+class PartRef(Struct):
+    """The part of a manual an answer came from (a manual longer than the window is stored
+    as parts, each its own cached prefix)."""
+
+    index: int  # 0-based
+    title: str  # the sections it holds
+
+
+class PartScore(Struct):
+    index: int
+    title: str
+    score: float  # the full-text search rank of the question against the part (higher first)
+
+
 class Answer(Struct):
     id: str
     conversation_id: str | None
@@ -64,3 +80,7 @@ class Answer(Struct):
     usage: Usage
     timings: Timings
     warnings: list[str]
+    # a manual stored as parts: the part that answered, and the best-ranked parts' scores
+    # (that part among them); null and empty for a manual that is one prompt prefix
+    part: PartRef | None = None
+    part_scores: list[PartScore] = field(default_factory=list)

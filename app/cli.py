@@ -212,6 +212,8 @@ def cmd_serve(args) -> int:
         batch_invariant=args.batch_invariant,
         cuda_graphs=args.cuda_graphs,
         speculate=args.speculate,
+        parts=None if args.parts is None else args.parts == "on",
+        max_part_tokens=args.max_part_tokens,
         dtype=args.dtype,
         kv_cache_gib=args.kv_cache_gib,
         kv_dtype=args.kv_dtype,
@@ -293,6 +295,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="runtime reserve in GiB (default: one step's activations and logits, doubled)",
     )
     kb.add_argument("--context", type=int, help="tokens per sequence (default: the model's)")
+    kb.add_argument(
+        "--manual-tokens",
+        type=int,
+        help="a manual's length: its prompts whole and as parts (--max-part-tokens), side by side",
+    )
+    kb.add_argument(
+        "--max-part-tokens",
+        type=int,
+        help="with --manual-tokens: parts of at most this many tokens (default: the window's room)",
+    )
     kb.add_argument("--kv-dtype", help="KV dtype (default: the config's torch_dtype); int8, fp8")
     kb.add_argument("--dtype", help="weights' dtype (default: the config's torch_dtype)")
     kb.add_argument("--block-size", type=int, default=16, help="tokens per KV block (16)")
@@ -394,6 +406,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="prompt-lookup: answers that quote the manual take several tokens a step, the "
         "same tokens as without; off, the default (env DOCQA_SPECULATE)",
+    )
+    s.add_argument(
+        "--max-part-tokens",
+        type=int,
+        default=None,
+        help="store manuals longer than this as parts of at most this many tokens, each "
+        "question answered from the part full-text search ranks first (default: only manuals "
+        "longer than the model's window, in parts as large as it allows; env "
+        "DOCQA_MAX_PART_TOKENS)",
+    )
+    s.add_argument(
+        "--parts",
+        choices=["on", "off"],
+        default=None,
+        help="off: refuse a manual longer than the window instead of storing it as parts "
+        "(env DOCQA_PARTS; on by default)",
     )
     s.add_argument(
         "--max-tokens-cap", type=int, default=1024, help="upper bound of a request's max_tokens"

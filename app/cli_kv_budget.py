@@ -65,6 +65,10 @@ def cmd_kv_budget(args) -> int:
         f"(2 x {layers} x {kv_heads} x {head_dim} x {elem} = {bpt:,} bytes)"
     )
     print(f"per sequence of {context:,} tokens: {format_bytes(bpt * context)}")
+    if args.manual_tokens:
+        _manual_prompts(args.manual_tokens, args.max_part_tokens, context, bpt)
+    elif args.max_part_tokens:
+        raise DocqaError("--max-part-tokens goes with --manual-tokens (the manual's length)")
 
     if args.workload and (args.prompt_tokens or args.output_tokens):
         raise DocqaError("give --workload or --prompt-tokens/--output-tokens, not both")
@@ -166,6 +170,48 @@ def cmd_kv_budget(args) -> int:
                 "pool"
             )
     return 0
+
+
+def _manual_prompts(manual: int, max_part: int | None, context: int, bpt: int) -> None:
+    """A manual of ``manual`` tokens as whole-manual prompts and as parts: the prompt a question
+    brings, the KV each answer token reads, and what caching every prefix takes."""
+    from app.parts import part_overlap
+    from app.settings import MIN_QUESTION_ROOM
+    from inference.kv_sizing import format_bytes
+
+    if manual < 1:
+        raise DocqaError(f"--manual-tokens must be positive, got {manual}")
+    room = context - MIN_QUESTION_ROOM - INSTRUCTION_TOKENS  # a manual's share of a prompt
+    asked = QUESTION_TOKENS  # the question and its answer, about
+    print(f"a manual of {manual:,} tokens, in prompts of at most {context:,} tokens:")
+    if manual <= room:
+        whole = INSTRUCTION_TOKENS + manual + asked
+        print(
+            f"  whole: {whole:,} tokens a question; each answer token reads "
+            f"{format_bytes(whole * bpt)} of KV; the cached prefix {format_bytes(manual * bpt)}"
+        )
+    else:
+        print(f"  whole: does not fit (a prompt gives a manual at most {room:,} tokens)")
+    part = min(max_part or room, room)
+    if manual <= part:
+        print(f"  parts: one (the manual fits {part:,} tokens); --max-part-tokens splits it")
+        return
+    overlap = part_overlap(part)
+    count = -(-(manual - overlap) // (part - overlap))
+    held = manual + (count - 1) * overlap + count * INSTRUCTION_TOKENS
+    per_q = INSTRUCTION_TOKENS + part + asked
+    print(
+        f"  parts of at most {part:,} tokens (overlap {overlap}): about {count} parts; "
+        f"{per_q:,} tokens a question; each answer token reads {format_bytes(per_q * bpt)} of "
+        f"KV; every part's prefix cached {format_bytes(held * bpt)}"
+    )
+    if manual <= room:
+        ratio = (INSTRUCTION_TOKENS + manual + asked) / per_q
+        print(f"  a question on parts reads {ratio:.1f}x less KV per answer token than whole")
+
+
+INSTRUCTION_TOKENS = 48  # system instructions and a part's header line, about
+QUESTION_TOKENS = 256  # a question and its answer, about
 
 
 REPLAYS = 5  # arrival orders the replay averages (its first preemption varies with the order)

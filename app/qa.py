@@ -12,21 +12,24 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select, text, update
 from sqlalchemy.exc import IntegrityError
 
-from app.answer import Answer, Timings, Usage
+from app.answer import Answer, PartRef, PartScore, Timings, Usage
 from app.answer_events import AnswerDone, AnswerFailed, Event, IncrementalDecoder, TokenText
-from app.db import Conversation, Database, Manual, Message
+from app.db import Conversation, Database, Manual, ManualPart, ManualPassage, Message
 from app.db.models import new_id
 from app.engine_runner import Completion, EngineRunner, RequestHandle
 from app.errors import NotFound, ServiceError
+from app.parts import part_header, part_overlap, passages, split_manual
 from app.settings import MIN_QUESTION_ROOM, Settings
 from inference import SamplingParams
 from prompts import BuiltPrompt, PromptLayoutTooLong, Turn
@@ -44,6 +47,192 @@ class PromptManual:
     token_ids: list[int]
     tokenizer_fingerprint: str
     content: str = ""
+    # a manual stored as parts: the part chosen for the question, and the ranked parts' scores
+    part: PartRef | None = None
+    part_scores: list[PartScore] = field(default_factory=list)
+
+
+# a follow-up stays on the previous turn's part unless another ranks this much higher
+CLEARLY_BETTER = 1.5
+PART_SCORES_SHOWN = 4  # the best-ranked parts an answer lists
+
+
+def choose_part(ranked: Sequence[PartScore], num_parts: int, previous: int | None = None) -> int:
+    """The part that answers: the best ranked; in a conversation the previous turn's part
+    unless another ranks clearly better (its history stays cached); part 0 when nothing
+    matches at all."""
+    if previous is not None and 0 <= previous < num_parts:
+        best = ranked[0] if ranked else None
+        before = next((r.score for r in ranked if r.index == previous), 0.0)
+        if best is None or best.index == previous or best.score <= CLEARLY_BETTER * before:
+            return previous
+        return best.index
+    return ranked[0].index if ranked and ranked[0].score > 0 else 0
+
+
+_FTS_WORD = re.compile(r"[^\W_]+(?:[.'-][^\W_]+)*", re.UNICODE)
+MAX_QUERY_TERMS = 32
+# words of questions that say nothing of where the answer is (Postgres's english
+# configuration drops its own list; FTS5 has none)
+_STOP_WORDS = frozenset(
+    [
+        "a",
+        "an",
+        "and",
+        "are",
+        "as",
+        "at",
+        "be",
+        "by",
+        "can",
+        "do",
+        "does",
+        "for",
+        "from",
+        "how",
+        "i",
+        "if",
+        "in",
+        "is",
+        "it",
+        "its",
+        "me",
+        "my",
+        "of",
+        "on",
+        "or",
+        "so",
+        "that",
+        "the",
+        "their",
+        "there",
+        "these",
+        "this",
+        "to",
+        "was",
+        "what",
+        "when",
+        "where",
+        "which",
+        "who",
+        "why",
+        "will",
+        "with",
+        "you",
+        "your",
+        "should",
+        "would",
+        "could",
+        "may",
+        "might",
+        "must",
+    ]
+)
+
+
+def fts5_terms(text: str) -> list[str]:
+    """The words of ``text`` as FTS5 queries of one phrase each (quoted: no operator syntax),
+    stop words left out, first occurrences in order, at most MAX_QUERY_TERMS."""
+    words = dict.fromkeys(
+        w.lower() for w in _FTS_WORD.findall(text) if len(w) > 1 and w.lower() not in _STOP_WORDS
+    )
+    return ['"' + w.replace('"', "") + '"' for w in list(words)[:MAX_QUERY_TERMS]]
+
+
+def bm25(hits: dict[str, list[tuple[int, int, int]]], num_docs: int, avg_len: float) -> dict:
+    """Okapi BM25 of each passage from the database's per-term matches: ``hits[term]`` lists
+    (passage, length, occurrences) of the passages that hold the term. Lucene's inverse
+    document frequency, ln(1 + (N - n + 0.5) / (n + 0.5)), stays positive for a term most
+    passages hold (FTS5's bm25() drops such terms altogether). Length normalization is mild
+    (b = 0.3): a definition of several lines is not outranked by a one-line mention."""
+    k1, b = 1.2, 0.3
+    scores: dict[int, float] = {}
+    for rows in hits.values():
+        if not rows:
+            continue
+        idf = math.log(1 + (num_docs - len(rows) + 0.5) / (len(rows) + 0.5))
+        for doc, length, tf in rows:
+            norm = tf * (k1 + 1) / (tf + k1 * (1 - b + b * length / max(avg_len, 1.0)))
+            scores[doc] = scores.get(doc, 0.0) + idf * norm
+    return scores
+
+
+_NAME = re.compile(r"[^\s,;:?!()\"'`]+")
+NAMED_BOOST = 2.0
+
+
+def named_in(question: str) -> set[str]:
+    """The names a question spells out: words with a dash, a digit, a capital, ``_`` or ``$``
+    in them (``--cacert``, ``-e``, ``PS1``, ``HISTSIZE``), as it spells them. A plain lowercase
+    word is left out: ``set`` in "what does PS1 set?" is no name."""
+    out = set()
+    for w in _NAME.findall(question):
+        w = w.strip(".'")
+        if any(c.isupper() or c.isdigit() or c in "-_$" for c in w) and not w.istitle():
+            out.add(w)
+    return out
+
+
+def defined_names(term: str) -> set[str]:
+    """What a definition's term line names: the first word of each comma-separated form
+    (``-L, --location`` -> -L and --location; ``wait [-fn] [id ...]`` -> wait)."""
+    out = set()
+    for form in term.split(","):
+        words = form.split()
+        if words:
+            out.add(words[0].rstrip("=:"))
+    return out
+
+
+def part_scores(scores: dict[int, float], part_of: dict[int, int]) -> dict[int, float]:
+    """A part's score: the sum of its best PASSAGES_PER_PART passages' (a part that answers
+    with a definition and its mentions outranks one with a single stray match)."""
+    per: dict[int, list[float]] = {}
+    for doc, score in scores.items():
+        per.setdefault(part_of[doc], []).append(score)
+    return {p: sum(sorted(v, reverse=True)[:PASSAGES_PER_PART]) for p, v in per.items()}
+
+
+# Postgres: the passages of one manual that hold each lexeme of the query (to_tsvector's english
+# stems, stop words dropped), with its occurrences in the text, in the term the passage defines
+# (weight A) and in its section's heading (weight B), from the passages' tsvectors; the GIN
+# index finds those holding any of them
+_PG_TERMS = text(
+    """
+    WITH q AS (
+        SELECT array_agg(DISTINCT lexeme) AS lexemes,
+               to_tsquery('simple', string_agg(DISTINCT quote_literal(lexeme), ' | ')) AS any_of
+        FROM unnest(to_tsvector('english', :query))
+    )
+    SELECT u.lexeme, s.id, s.part_idx, s.term, length(s.content),
+           (SELECT count(*) FROM unnest(u.weights) w WHERE w = 'D'),
+           (SELECT count(*) FROM unnest(u.weights) w WHERE w = 'B'),
+           (SELECT count(*) FROM unnest(u.weights) w WHERE w = 'A')
+    FROM q, manual_passages s, unnest(s.search) u
+    WHERE s.manual_id = :manual_id AND s.search @@ q.any_of AND u.lexeme = ANY(q.lexemes)
+    """
+)
+# SQLite: the passages of one manual that hold one term (an FTS5 phrase), with its occurrences
+# in the text, the heading and the term (each marked by highlight() with a \x01)
+_SQLITE_TERM = text(
+    """
+    SELECT s.id, s.part_idx, s.term, length(s.content),
+           length(h.body) - length(replace(h.body, char(1), '')),
+           length(h.head) - length(replace(h.head, char(1), '')),
+           length(h.term) - length(replace(h.term, char(1), ''))
+    FROM (SELECT rowid,
+                 highlight(manual_passages_fts, 2, char(1), char(2)) AS body,
+                 highlight(manual_passages_fts, 1, char(1), char(2)) AS head,
+                 highlight(manual_passages_fts, 0, char(1), char(2)) AS term
+          FROM manual_passages_fts WHERE manual_passages_fts MATCH :term) h
+    JOIN manual_passages s ON s.id = h.rowid
+    WHERE s.manual_id = :manual_id
+    """
+)
+# an occurrence in the term a passage defines counts as TERM_WEIGHT in its text; in its
+# section's heading as HEADING_WEIGHT
+TERM_WEIGHT, HEADING_WEIGHT = 2, 1
+PASSAGES_PER_PART = 3
 
 
 @dataclass
@@ -61,6 +250,8 @@ class Job:
     warnings: list[str] = field(default_factory=list)
     manual_id: str | None = None  # the manual whose ledger the answer adds to
     speculate: bool = True  # prompt-lookup drafts (the answer is the same without)
+    part: PartRef | None = None  # the part of the manual that answers
+    part_scores: list[PartScore] = field(default_factory=list)
 
 
 class QAService:
@@ -94,24 +285,193 @@ class QAService:
             raise NotFound("manual", manual_id)
         return m
 
-    async def prompt_manual(self, tenant: str, manual_id: str) -> PromptManual:
-        """The manual a question is about, for its prompt: one select of the columns a prompt
+    async def prompt_manual(
+        self,
+        tenant: str,
+        manual_id: str,
+        question: str = "",
+        context: str = "",
+        part: int | None = None,
+        previous_part: int | None = None,
+    ) -> PromptManual:
+        """The manual a question is about, for its prompt: selects of the columns a prompt
         needs, not the whole row through a session (cheaper for the event loop's thread); the
-        text is read only for a manual stored under another tokenizer."""
+        text is read only for a manual stored under another tokenizer. A manual stored as
+        parts gives the part that answers: ``part`` where the request names one, else the one
+        full-text search ranks first for the question (with ``context``, the conversation's
+        recent questions), staying on ``previous_part`` unless another ranks clearly better."""
         where = (Manual.id == manual_id, Manual.tenant == tenant)
         async with self.db.engine.connect() as conn:
             row = (
                 await conn.execute(
-                    select(Manual.token_ids, Manual.tokenizer_fingerprint).where(*where)
+                    select(Manual.tokenizer_fingerprint, Manual.part_count, Manual.title).where(
+                        *where
+                    )
                 )
             ).first()
             if row is None:
                 raise NotFound("manual", manual_id)
-            ids, fingerprint = row
-            text = ""
-            if fingerprint != self.tokenizer_fingerprint:
-                text = await conn.scalar(select(Manual.content).where(*where))
-        return PromptManual(ids, fingerprint, text)
+            fingerprint, num_parts, title = row
+            num_parts = num_parts or 1
+            if part is not None and not 0 <= part < num_parts:
+                raise ServiceError(
+                    "invalid_request",
+                    f"part {part} does not exist: this manual has {num_parts} "
+                    f"part{'s' if num_parts > 1 else ''} (0 to {num_parts - 1})",
+                    num_parts - 1,
+                )
+            if num_parts == 1:
+                ids = await conn.scalar(select(Manual.token_ids).where(*where))
+                text_ = ""
+                if fingerprint != self.tokenizer_fingerprint:
+                    text_ = await conn.scalar(select(Manual.content).where(*where))
+                return PromptManual(ids, fingerprint, text_)
+            ranked = await self.rank_parts(conn, manual_id, num_parts, f"{question}\n{context}")
+            chosen = part if part is not None else choose_part(ranked, num_parts, previous_part)
+            p = (
+                await conn.execute(
+                    select(ManualPart.title, ManualPart.token_ids, ManualPart.content).where(
+                        ManualPart.manual_id == manual_id, ManualPart.idx == chosen
+                    )
+                )
+            ).first()
+        if p is None:
+            raise NotFound("manual part", f"{manual_id} part {chosen}")
+        part_title, ids, content = p
+        shown = ranked[:PART_SCORES_SHOWN]
+        if all(r.index != chosen for r in shown):
+            score = next((r.score for r in ranked if r.index == chosen), 0.0)
+            shown = [*shown, PartScore(chosen, part_title, score)]
+        text_ = ""
+        if fingerprint != self.tokenizer_fingerprint:
+            text_ = part_header(title, chosen, num_parts, part_title) + content
+        return PromptManual(ids, fingerprint, text_, PartRef(chosen, part_title), shown)
+
+    async def rank_parts(self, conn, manual_id: str, num_parts: int, query: str) -> list[PartScore]:
+        """The manual's parts ranked for ``query``, best first, each by its best passages: the
+        database's full-text search finds the passages that hold a word of the query and
+        counts it in each (Postgres: their tsvectors, english stems; SQLite: FTS5, porter
+        stems), ``bm25`` scores them, ``part_scores`` adds up each part's best."""
+        hits: dict[str, list[tuple[int, int, int]]] = {}
+        part_of: dict[int, int] = {}
+
+        def weighted(tf: int, th: int, tt: int) -> int:
+            return tf + HEADING_WEIGHT * th + TERM_WEIGHT * tt
+
+        terms: dict[int, str] = {}
+        if conn.dialect.name == "postgresql":
+            params = {"query": query[:20_000], "manual_id": manual_id}
+            rows = (await conn.execute(_PG_TERMS, params)).all()
+            for lexeme, sid, part, term, n, *tfs in rows:
+                hits.setdefault(lexeme, []).append((sid, n, weighted(*tfs)))
+                part_of[sid], terms[sid] = part, term
+        else:
+            for word in fts5_terms(query):
+                rows = (
+                    await conn.execute(_SQLITE_TERM, {"term": word, "manual_id": manual_id})
+                ).all()
+                hits[word] = [(sid, n, weighted(*tfs)) for sid, _, _, n, *tfs in rows]
+                part_of.update((sid, part) for sid, part, *_ in rows)
+                terms.update((sid, term) for sid, _, term, *_ in rows)
+        if not part_of:
+            return []
+        num, avg_len = (
+            await conn.execute(
+                select(func.count(), func.avg(func.length(ManualPassage.content))).where(
+                    ManualPassage.manual_id == manual_id
+                )
+            )
+        ).one()
+        scores = bm25(hits, int(num), float(avg_len or 1.0))
+        named = named_in(query)
+        for sid in scores:
+            if named and named & defined_names(terms.get(sid, "")):
+                scores[sid] *= 1 + NAMED_BOOST  # the definition of what the question names
+        best = part_scores(scores, part_of)
+        titles = dict(
+            (
+                await conn.execute(
+                    select(ManualPart.idx, ManualPart.title).where(
+                        ManualPart.manual_id == manual_id
+                    )
+                )
+            ).all()
+        )
+        ranked = sorted(best.items(), key=lambda kv: (-kv[1], kv[0]))
+        return [PartScore(i, titles.get(i, ""), round(sc, 4)) for i, sc in ranked]
+
+    async def manual_parts(self, manual_ids: Sequence[str]) -> dict[str, list[tuple]]:
+        """(index, title, tokens, start, end) of each stored part of these manuals."""
+        if not manual_ids:
+            return {}
+        async with self.db.engine.connect() as conn:
+            rows = (
+                await conn.execute(
+                    select(
+                        ManualPart.manual_id,
+                        ManualPart.idx,
+                        ManualPart.title,
+                        ManualPart.token_count,
+                        ManualPart.start_char,
+                        ManualPart.end_char,
+                    )
+                    .where(ManualPart.manual_id.in_(list(manual_ids)))
+                    .order_by(ManualPart.manual_id, ManualPart.idx)
+                )
+            ).all()
+        out: dict[str, list[tuple]] = {}
+        for mid, *part in rows:
+            out.setdefault(mid, []).append(tuple(part))
+        return out
+
+    async def search_parts(self, tenant: str, manual_id: str, question: str) -> dict:
+        """The parts of a manual ranked for ``question``, and the one it would be answered
+        from (a manual that is one part: that part)."""
+        async with self.db.engine.connect() as conn:
+            row = (
+                await conn.execute(
+                    select(Manual.part_count, Manual.title).where(
+                        Manual.id == manual_id, Manual.tenant == tenant
+                    )
+                )
+            ).first()
+            if row is None:
+                raise NotFound("manual", manual_id)
+            num_parts = row[0] or 1
+            if num_parts == 1:
+                ranked = [PartScore(0, row[1], 0.0)]
+            else:
+                ranked = await self.rank_parts(conn, manual_id, num_parts, question)
+        return {
+            "manual_id": manual_id,
+            "question": question,
+            "parts": ranked,
+            "chosen": choose_part(ranked, num_parts),
+        }
+
+    async def part_prefixes(self, manual: Manual) -> list[list[int]]:
+        """The prompt prefix of every part of a manual (one for a manual that is one part)."""
+        if (manual.part_count or 1) == 1:
+            return [self.manual_prefix(manual)[0]]
+        async with self.db.engine.connect() as conn:
+            rows = (
+                await conn.execute(
+                    select(
+                        ManualPart.idx, ManualPart.title, ManualPart.token_ids, ManualPart.content
+                    )
+                    .where(ManualPart.manual_id == manual.id)
+                    .order_by(ManualPart.idx)
+                )
+            ).all()
+        builder = self.runner.builder
+        out = []
+        for idx, title, ids, content in rows:
+            if manual.tokenizer_fingerprint == self.tokenizer_fingerprint:
+                out.append(builder.prefix_ids(manual_token_ids=ids)[0])
+            else:
+                header = part_header(manual.title, idx, manual.part_count, title)
+                out.append(builder.prefix_ids(header + content)[0])
+        return out
 
     def manual_prefix(self, manual: Manual | PromptManual) -> tuple[list[int], int]:
         builder = self.runner.builder
@@ -138,13 +498,20 @@ class QAService:
         max_len = self.runner.engine.max_model_len
         overhead = len(prefix) - len(ids)
         limit = max_len - MIN_QUESTION_ROOM - overhead
-        if len(ids) > limit:
+        part_limit = limit
+        if self.settings.max_part_tokens is not None:
+            part_limit = min(limit, self.settings.max_part_tokens)
+        parts: list[ManualPart] = []
+        found: list[ManualPassage] = []
+        if self.settings.parts and len(ids) > part_limit:
+            parts, found = await asyncio.to_thread(self._split, title, text, part_limit)
+        elif len(ids) > limit:
             raise ServiceError(
                 "manual_too_long",
                 f"the manual is {len(ids):,} tokens; with the system instructions ({overhead} "
                 f"tokens) and room for a question and an answer ({MIN_QUESTION_ROOM} tokens) it "
                 f"must fit the model's context of {max_len:,} tokens, so a manual may have at "
-                f"most {limit:,} tokens",
+                f"most {limit:,} tokens (this server stores no manual as parts: --parts off)",
                 limit,
             )
         manual = Manual(
@@ -157,16 +524,65 @@ class QAService:
             token_ids=ids,
             token_count=len(ids),
             tokenizer_fingerprint=self.tokenizer_fingerprint,
+            part_count=max(1, len(parts)),
         )
+        for row in (*parts, *found):
+            row.manual_id = manual.id
         try:
             async with self.db.transaction() as s:
                 s.add(manual)
+                await s.flush()  # the manual's row before its parts' (their foreign key)
+                s.add_all(parts)
+                s.add_all(found)
         except IntegrityError:  # the same upload raced us; return the stored one
             existing = await self._find_manual(tenant, digest)
             if existing is None:
                 raise
             return existing, False
         return manual, True
+
+    def _split(
+        self, title: str, text: str, limit: int
+    ) -> tuple[list[ManualPart], list[ManualPassage]]:
+        """The manual's parts, each of at most ``limit`` prompt tokens with its header line
+        (split again with a smaller budget in the rare case joins add tokens past it)."""
+        tok = self.runner.engine.tokenizer
+        builder = self.runner.builder
+        header = len(builder.manual_token_ids(part_header(title, 999, 999, "")))
+        budget = limit - header - 48  # the part title's tokens, at most 160 characters
+        for _ in range(4):
+            parts = split_manual(
+                text, tok.count_batch, budget, part_overlap(budget), tok.cut_offsets
+            )
+            rows, worst = [], 0
+            for p in parts:
+                body = part_header(title, p.index, len(parts), p.title) + p.text
+                ids = builder.manual_token_ids(body)
+                worst = max(worst, len(ids) - limit)
+                rows.append(
+                    ManualPart(
+                        idx=p.index,
+                        title=p.title,
+                        start_char=p.start,
+                        end_char=p.end,
+                        content=p.text,
+                        token_ids=ids,
+                        token_count=len(ids),
+                    )
+                )
+            if worst <= 0:
+                found = [
+                    ManualPassage(
+                        part_idx=x.part,
+                        heading=x.heading[:512],
+                        term=x.term[:512],
+                        content=text[x.start : x.end],
+                    )
+                    for x in passages(text, parts)
+                ]
+                return rows, found
+            budget -= worst + 16
+        raise ServiceError("invalid_manual", "the manual could not be split into parts that fit")
 
     async def _find_manual(self, tenant: str, digest: str) -> Manual | None:
         async with self.db.session() as s:
@@ -204,11 +620,17 @@ class QAService:
         return f"{tenant}\x00{manual_id}"
 
     async def pin(self, tenant: str, manual: Manual) -> dict:
-        """Warm the manual if needed, then hold its prefix blocks out of eviction."""
+        """Warm the manual if needed, then hold its prefix blocks (every part's, for a manual
+        stored as parts) out of eviction."""
         await self.warm(tenant, manual)
-        prefix, _ = self.manual_prefix(manual)
+        prefixes = await self.part_prefixes(manual)
         ns, key = self.namespace(tenant), self.pin_key(tenant, manual.id)
-        tokens = await self.runner.call(lambda e: e.pin(key, prefix, ns))
+        keys = [key] if len(prefixes) == 1 else [f"{key}\x00{i}" for i in range(len(prefixes))]
+
+        def pin_all(e):
+            return sum(e.pin(k, p, ns) for k, p in zip(keys, prefixes, strict=True))
+
+        tokens = await self.runner.call(pin_all)
         c = self.runner.counters()
         return {
             "manual_id": manual.id,
@@ -222,7 +644,7 @@ class QAService:
         if not self.runner.ready:
             return False
         key = self.pin_key(tenant, manual_id)
-        return await self.runner.call(lambda e: e.unpin(key))
+        return await self.runner.call(lambda e: bool(e.unpin(key) + e.unpin_prefix(key + "\x00")))
 
     def build(
         self,
@@ -353,6 +775,8 @@ class QAService:
             ),
             timings=Timings(**c.metrics.to_dict()),
             warnings=list(job.warnings),
+            part=job.part,
+            part_scores=list(job.part_scores),
         )
 
     async def _store_turn(self, job: Job, c: Completion, answer: Answer) -> None:
@@ -387,6 +811,7 @@ class QAService:
                             usage=msgspec.to_builtins(answer.usage),
                             timings=msgspec.to_builtins(answer.timings),
                             warnings=list(answer.warnings),
+                            part=job.part.index if job.part is not None else None,
                         )
                     )
                     if job.manual_id is not None and answer.usage.completion_tokens:
@@ -436,32 +861,43 @@ class QAService:
                 handle.cancel()
 
     async def warm(self, tenant: str, manual: Manual) -> dict:
-        prefix, _ = self.manual_prefix(manual)
+        """Prefill the manual's prefix (every part's, in turn, for a manual stored as parts)
+        into the cache, and wait until Redis holds it where there is a Redis tier."""
         ns = self.namespace(tenant)
         t0 = time.perf_counter()
-        job = Job(
-            request_id=f"warm_{uuid.uuid4().hex}",
-            prompt=BuiltPrompt(prefix, len(prefix), 0, 0),
-            params=SamplingParams(max_tokens=1),
-            namespace=ns,
-            use_cache=True,
-        )
-        handle, task = await self.submit(job)
-        c = await handle.final
-        await task
-        probe = prefix + [0]
-        cached = await self.runner.call(
-            lambda e: e.kv_manager.find_cached_prefix(probe, ns, partial=True).num_cached_tokens
-        )
-        redis_status, redis_tokens = await self._warm_tier(prefix, ns)
+        out = {"prompt_tokens": 0, "cached_tokens": 0, "computed_tokens": 0, "redis_tokens": 0}
+        redis_status = "disabled"
+        for prefix in await self.part_prefixes(manual):
+            job = Job(
+                request_id=f"warm_{uuid.uuid4().hex}",
+                prompt=BuiltPrompt(prefix, len(prefix), 0, 0),
+                params=SamplingParams(max_tokens=1),
+                namespace=ns,
+                use_cache=True,
+            )
+            handle, task = await self.submit(job)
+            c = await handle.final
+            await task
+            probe = prefix + [0]
+            cached = await self.runner.call(
+                lambda e, probe=probe: (
+                    e.kv_manager.find_cached_prefix(probe, ns, partial=True).num_cached_tokens
+                )
+            )
+            redis_status, redis_tokens = await self._warm_tier(prefix, ns)
+            out["prompt_tokens"] += len(prefix)
+            out["cached_tokens"] += cached
+            out["computed_tokens"] += len(prefix) - c.num_cached_tokens
+            out["redis_tokens"] += redis_tokens
         return {
             "manual_id": manual.id,
-            "prompt_tokens": len(prefix),
-            "cached_tokens": cached,
-            "computed_tokens": len(prefix) - c.num_cached_tokens,
+            "prompt_tokens": out["prompt_tokens"],
+            "cached_tokens": out["cached_tokens"],
+            "computed_tokens": out["computed_tokens"],
             "elapsed_ms": round((time.perf_counter() - t0) * 1000, 3),
             "redis": redis_status,
-            "redis_cached_tokens": redis_tokens,
+            "redis_cached_tokens": out["redis_tokens"],
+            "parts": manual.part_count or 1,
         }
 
     async def _warm_tier(self, prefix: list[int], ns: bytes) -> tuple[str, int]:

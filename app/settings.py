@@ -16,6 +16,7 @@ DEFAULT_MAX_TOKENS = 256
 MAX_UPLOAD_BYTES = 10 * 2**20
 # a manual must leave this many tokens of the context for a question and an answer
 MIN_QUESTION_ROOM = 256
+MIN_PART_TOKENS = 256  # a part smaller than this holds too little to answer from
 
 
 class ConfigError(DocqaError):
@@ -123,12 +124,22 @@ class Settings:
     cuda_graphs: bool = False
     # prompt-lookup speculation: prompt-lookup | off (EngineConfig.speculate)
     speculate: str = "off"
+    # manuals longer than the window are stored as parts, each its own cached prefix (off:
+    # refused as too long); max_part_tokens also splits manuals that fit (None: only those
+    # that do not, into parts as large as the window allows)
+    parts: bool = True
+    max_part_tokens: int | None = None
 
     def __post_init__(self):
         if self.speculate not in SPECULATE_MODES:
             raise ValueError(
                 f"speculate (DOCQA_SPECULATE) must be one of {', '.join(SPECULATE_MODES)}; "
                 f"got {self.speculate!r}"
+            )
+        if self.max_part_tokens is not None and self.max_part_tokens < MIN_PART_TOKENS:
+            raise ConfigError(
+                f"--max-part-tokens (DOCQA_MAX_PART_TOKENS) must be at least {MIN_PART_TOKENS}, "
+                f"got {self.max_part_tokens}"
             )
         if self.max_tokens_cap < 1:
             raise ConfigError(f"--max-tokens-cap must be at least 1, got {self.max_tokens_cap}")
@@ -221,6 +232,8 @@ class Settings:
             batch_invariant=_env_flag("DOCQA_BATCH_INVARIANT", False),
             cuda_graphs=_env_flag("DOCQA_CUDA_GRAPHS", False),
             speculate=env.get("DOCQA_SPECULATE") or "off",
+            parts=_env_flag("DOCQA_PARTS", True),
+            max_part_tokens=_env_number("DOCQA_MAX_PART_TOKENS", int, None),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         if "database_url" in overrides and overrides["database_url"]:

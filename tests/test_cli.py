@@ -165,3 +165,29 @@ def test_kv_budget_from_config_file(tmp_path):
         docqa("kv-budget", "--config", str(tmp_path / "x.json")), "no config.json"
     )
     _assert_one_line_error(docqa("kv-budget", "gpt-17"), "unknown config name")
+
+
+def test_kv_budget_shows_a_manual_whole_and_in_parts():
+    # llama-3-8b, a 4,096-token window: 128 KiB of KV a token
+    r = docqa("kv-budget", "llama-3-8b", "--context", "4096", "--manual-tokens", "3000")
+    assert r.returncode == 0, r.stderr
+    assert "whole: 3,304 tokens a question; each answer token reads 413.00 MiB" in r.stdout
+    assert "parts: one (the manual fits 3,792 tokens)" in r.stdout
+    r = docqa(
+        "kv-budget",
+        "llama-3-8b",
+        "--context",
+        "4096",
+        "--manual-tokens",
+        "3000",
+        "--max-part-tokens",
+        "1000",
+    )
+    # parts of 1,000 tokens overlapping by 125: 4 parts, 1,304 tokens a question
+    assert "about 4 parts; 1,304 tokens a question" in r.stdout, r.stdout
+    assert "reads 2.5x less KV per answer token than whole" in r.stdout
+    r = docqa("kv-budget", "llama-3-8b", "--context", "4096", "--manual-tokens", "50000")
+    assert "whole: does not fit (a prompt gives a manual at most 3,792 tokens)" in r.stdout
+    _assert_one_line_error(
+        docqa("kv-budget", "--max-part-tokens", "100"), "--max-part-tokens goes with"
+    )

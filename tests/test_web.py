@@ -203,3 +203,39 @@ def test_the_page_asks_for_a_key_and_refuses_a_wrong_one(pg_server, browser):
     _wait(d, lambda d: d.find_elements(*_by(f"li[data-manual-id='{mine['id']}']")))
     assert not d.find_elements(*_by(f"li[data-manual-id='{theirs['id']}']"))
     assert _console_problems(d, expected_statuses=(401,)) == []
+
+
+def test_the_page_shows_a_long_manuals_parts_and_each_answers_part(
+    sqlite_server, browser, tmp_path
+):
+    """A manual longer than the window: the list says how many parts and names them; an
+    answer says which part it came from and which others ranked; reopened, the stored turn
+    still says so."""
+    from test_parts_api import TYPING
+
+    d = browser
+    d.get(sqlite_server.url + "/")
+    manual = tmp_path / "typing.txt"
+    manual.write_text(f"Revision {uuid.uuid4().hex}\n\n{TYPING}")
+    d.find_element(*_by("#file")).send_keys(str(manual))
+    _wait(d, lambda d: d.find_element(*_by("#manual-list li.selected .title")).text == "typing")
+    manual_id = d.find_element(*_by("#manual-list li.selected")).get_attribute("data-manual-id")
+    tokens = d.find_element(*_by("#manual-list li.selected .tokens")).text
+    assert " parts" in tokens
+    parts = d.find_elements(*_by("#manual-list li.selected details.parts li"))
+    assert len(parts) >= 3
+    _ask(d, "What does get_type_hints return?", max_tokens=4)
+    _wait(d, lambda d: _finished(d, 1))
+    line = _answers(d)[0].find_element(*_by(".part"))
+    assert line.text.startswith("from part ") and f"of {len(parts)}: " in line.text
+    assert "also ranked part" in line.text
+    index = int(line.get_attribute("data-part"))
+    # the stored turn, reopened, names the same part
+    d.refresh()
+    title = f'#manual-list > li[data-manual-id="{manual_id}"] .title'
+    _wait(d, lambda d: d.find_element(*_by(title))).click()
+    _wait(d, lambda d: _answers(d) and _answers(d)[0].find_elements(*_by(".part")))
+    again = _answers(d)[0].find_element(*_by(".part"))
+    assert int(again.get_attribute("data-part")) == index
+    assert again.text.startswith(f"from part {index + 1} of {len(parts)}")
+    assert not _console_problems(d, ())

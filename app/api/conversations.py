@@ -28,7 +28,7 @@ from app.api.schemas import (
     path_id,
 )
 from app.api.streaming import EventStream, native_sse
-from app.db import Conversation, Manual, Message
+from app.db import Conversation, Message
 from app.db.models import new_id
 from app.errors import NotFound, ServiceError
 from app.qa import Job, QAService
@@ -44,6 +44,7 @@ def _message_out(m: Message) -> MessageOut:
         usage=m.usage,
         timings=m.timings,
         warnings=list(m.warnings or []),
+        part=m.part,
     )
 
 
@@ -85,6 +86,8 @@ def _job(
         tenant=tenant,
         warnings=list(built.warnings),
         manual_id=manual_id,
+        part=manual.part,
+        part_scores=list(manual.part_scores),
     )
 
 
@@ -114,24 +117,24 @@ async def _turn(
     conversation of another manual is not found there)."""
     question = _question(data.content)
     async with qa.db.session() as s:
-        row = (
-            await s.execute(
-                select(Conversation, Manual)
-                .join(Manual, Manual.id == Conversation.manual_id)
-                .where(*_owned(conversation_id, tenant))
-            )
-        ).first()
-        if row is None or (manual_id is not None and row[0].manual_id != manual_id):
+        conv = await s.scalar(select(Conversation).where(*_owned(conversation_id, tenant)))
+        if conv is None or (manual_id is not None and conv.manual_id != manual_id):
             raise NotFound("conversation", conversation_id)
-        conv, manual = row
         msgs = await _messages(s, conv.id)
+    # the part of a manual stored as parts: ranked with the recent questions, and the previous
+    # turn's part kept unless another ranks clearly better
+    asked = [m.content for m in msgs if m.role == "user"][-2:]
+    previous = next((m.part for m in reversed(msgs) if m.role == "assistant"), None)
+    manual = await qa.prompt_manual(
+        tenant, conv.manual_id, question, "\n".join(asked), data.part, previous
+    )
     job = _job(qa, tenant, data, manual, conv.manual_id, question, qa.history(msgs), conv.id)
     return await _respond(qa, job, data.stream)
 
 
 async def _ask(qa: QAService, tenant: str, manual_id: str, data, question: str):
     question = _question(question)
-    manual = await qa.prompt_manual(tenant, manual_id)
+    manual = await qa.prompt_manual(tenant, manual_id, question, part=data.part)
     job = _job(qa, tenant, data, manual, manual_id, question, (), None)
     return await _respond(qa, job, data.stream)
 

@@ -33,7 +33,11 @@ from app.api.schemas import (
     ManualOut,
     PageLimit,
     PageOffset,
+    PartOut,
+    PartRanked,
+    PartSearchOut,
     PinOut,
+    QuestionQuery,
     WarmOut,
 )
 from app.db import Manual
@@ -89,7 +93,9 @@ class _UploadOperation(Operation):
         )
 
 
-def manual_out(m: Manual, detail: bool = False) -> ManualOut:
+def manual_out(m: Manual, parts: list[tuple] | None = None, detail: bool = False) -> ManualOut:
+    """A manual's body; ``parts``: its stored parts' (index, title, tokens), none for a manual
+    that is one prompt prefix (then listed as its one part)."""
     fields = dict(
         id=m.id,
         title=m.title,
@@ -107,6 +113,9 @@ def manual_out(m: Manual, detail: bool = False) -> ManualOut:
             },
             ttft_saved_ms=round(m.ttft_saved_ms or 0.0, 1),
         ),
+        parts=[PartOut(*p) for p in parts]
+        if parts
+        else [PartOut(0, m.title, m.token_count, 0, len(m.content))],
     )
     return ManualDetail(**fields, text=m.content) if detail else ManualOut(**fields)
 
@@ -175,7 +184,8 @@ class ManualController(Controller):
                 f"{ctype or 'no content type'}",
             )
         manual, created = await qa.create_manual(tenant, title, text, kind)
-        return Response(manual_out(manual), status_code=201 if created else 200)
+        parts = (await qa.manual_parts([manual.id])).get(manual.id)
+        return Response(manual_out(manual, parts), status_code=201 if created else 200)
 
     @get("/", summary="List manuals", operation_id="listManuals")
     async def list_manuals(
@@ -186,18 +196,23 @@ class ManualController(Controller):
         offset: PageOffset = 0,
     ) -> ManualList:
         async with qa.db.session() as s:
-            rows = await s.scalars(
-                select(Manual)
-                .where(Manual.tenant == tenant)
-                .order_by(Manual.created_at, Manual.id)
-                .limit(limit)
-                .offset(offset)
+            rows = list(
+                await s.scalars(
+                    select(Manual)
+                    .where(Manual.tenant == tenant)
+                    .order_by(Manual.created_at, Manual.id)
+                    .limit(limit)
+                    .offset(offset)
+                )
             )
-            return ManualList(items=[manual_out(m) for m in rows])
+        parts = await qa.manual_parts([m.id for m in rows if (m.part_count or 1) > 1])
+        return ManualList(items=[manual_out(m, parts.get(m.id)) for m in rows])
 
     @get("/{manual_id:str}", summary="Read a manual, its text included", operation_id="getManual")
     async def get_manual(self, qa: QAService, tenant: str, manual_id: ManualId) -> ManualDetail:
-        return manual_out(await qa.get_manual(tenant, manual_id), detail=True)
+        m = await qa.get_manual(tenant, manual_id)
+        parts = (await qa.manual_parts([m.id])).get(m.id) if (m.part_count or 1) > 1 else None
+        return manual_out(m, parts, detail=True)
 
     @delete(
         "/{manual_id:str}",
@@ -212,6 +227,27 @@ class ManualController(Controller):
             if res.rowcount == 0:
                 raise NotFound("manual", manual_id)
         await qa.unpin(tenant, manual_id)
+
+    @get(
+        "/{manual_id:str}/parts",
+        summary="Rank the manual's parts for a question",
+        operation_id="searchManualParts",
+        description=(
+            "A manual longer than the model's window is stored as parts, each its own cached "
+            "prefix; a question is answered from the part full-text search ranks first. This "
+            "shows that ranking without answering."
+        ),
+    )
+    async def search_parts(
+        self, qa: QAService, tenant: str, manual_id: ManualId, question: QuestionQuery
+    ) -> PartSearchOut:
+        found = await qa.search_parts(tenant, manual_id, question)
+        return PartSearchOut(
+            manual_id=found["manual_id"],
+            question=found["question"],
+            parts=[PartRanked(p.index, p.title, p.score) for p in found["parts"]],
+            chosen=found["chosen"],
+        )
 
     @post(
         "/{manual_id:str}/warm",

@@ -121,7 +121,10 @@ async def chat_completion(qa: QAService, tenant: str, data: ChatCompletionCreate
         raise ServiceError("invalid_request", "the last message must be a non-empty user message")
     warnings: list[str] = []
     if data.manual_id:
-        manual = await qa.prompt_manual(tenant, data.manual_id)
+        asked = [t for r, t in msgs[:-1] if r == "user"][-2:]
+        manual = await qa.prompt_manual(
+            tenant, data.manual_id, msgs[-1][1], "\n".join(asked), data.part
+        )
         if any(r == "system" for r, _ in msgs):
             warnings.append(
                 "system messages are ignored with manual_id: the manual's system prefix is used"
@@ -160,6 +163,8 @@ async def chat_completion(qa: QAService, tenant: str, data: ChatCompletionCreate
         tenant=tenant,
         warnings=warnings,
         manual_id=data.manual_id or None,
+        part=manual.part if data.manual_id else None,
+        part_scores=list(manual.part_scores) if data.manual_id else [],
     )
     handle, task = await qa.submit(job)
     created = int(time.time())

@@ -29,6 +29,32 @@ class ManualCreate(Struct, forbid_unknown_fields=True):
     text: Annotated[str, Meta(min_length=1)]
 
 
+class PartOut(Struct):
+    index: int
+    title: Annotated[str, Meta(description="the sections the part holds")]
+    tokens: Annotated[int, Meta(description="tokens of the part's text, its header line included")]
+    start_char: Annotated[
+        int, Meta(description="where the part starts in the manual's text (its overlap included)")
+    ] = 0
+    end_char: Annotated[int, Meta(description="where it ends (exclusive)")] = 0
+
+
+class PartRanked(Struct):
+    index: int
+    title: str
+    score: Annotated[float, Meta(description="full-text search rank (BM25; higher first)")]
+
+
+class PartSearchOut(Struct):
+    manual_id: str
+    question: str
+    parts: Annotated[
+        list[PartRanked],
+        Meta(description="the parts holding any word of the question, best first"),
+    ]
+    chosen: Annotated[int, Meta(description="the part a question without history would use")]
+
+
 class ManualOut(Struct):
     id: str
     title: str
@@ -44,6 +70,14 @@ class ManualOut(Struct):
             "the cache saved them in total (each answer's ttft_saved_ms)"
         ),
     ]
+    parts: Annotated[
+        list[PartOut],
+        Meta(
+            description="the prompt prefixes the manual is answered from: one, the whole "
+            "manual, when it fits the model's window; else its parts, each question answered "
+            "from the one full-text search ranks first"
+        ),
+    ] = msgspec.field(default_factory=list)
 
 
 class ManualDetail(ManualOut):
@@ -79,6 +113,7 @@ class WarmOut(Struct):
     redis_cached_tokens: Annotated[
         int, Meta(description="of prompt_tokens, those Redis holds once this call returns")
     ] = 0
+    parts: Annotated[int, Meta(description="prefixes warmed: the manual's parts")] = 1
 
 
 # -- conversations -------------------------------------------------------------------------------
@@ -98,6 +133,7 @@ class MessageOut(Struct):
     usage: dict[str, Any] | None = None
     timings: dict[str, float | str] | None = None
     warnings: list[str] = msgspec.field(default_factory=list)
+    part: Annotated[int | None, Meta(description="the manual's part that answered")] = None
 
 
 class ConversationOut(Struct):
@@ -219,6 +255,12 @@ def path_id(what: str) -> Parameter:
 PageLimit = Annotated[int, Parameter(ge=1, le=MAX_PAGE, description="items to return")]
 PageOffset = Annotated[int, Parameter(ge=0, le=MAX_OFFSET, description="items to skip first")]
 ManualId = Annotated[str, path_id("manual")]
+QuestionQuery = Annotated[
+    str,
+    Parameter(
+        min_length=1, max_length=MAX_QUESTION_CHARS, description="the question to rank parts for"
+    ),
+]
 ConversationId = Annotated[str, path_id("conversation")]
 RequestId = Annotated[str, path_id("running answer (the answer object's id)")]
 
@@ -234,6 +276,16 @@ Question = Annotated[
 ]
 
 
+PartIndex = Annotated[
+    int,
+    Meta(
+        ge=0,
+        description="a manual stored as parts: answer from this part (0-based), not the one "
+        "full-text search ranks first",
+    ),
+]
+
+
 class AnswerOptions(Struct, forbid_unknown_fields=True, kw_only=True):
     stream: bool = False
     max_tokens: MaxTokens | None = None
@@ -245,6 +297,7 @@ class AnswerOptions(Struct, forbid_unknown_fields=True, kw_only=True):
     # false: no prompt-lookup drafts for this answer (it is the same either way; only its
     # speed differs)
     speculate: bool = True
+    part: PartIndex | None = None
 
 
 class MessageCreate(AnswerOptions, kw_only=True):
@@ -277,3 +330,4 @@ class ChatCompletionCreate(Struct):
     cache: CacheMode = "default"
     ignore_eos: bool = False
     speculate: bool = True
+    part: PartIndex | None = None

@@ -46,6 +46,8 @@ class Manual(Base):
     cached_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     cached_tokens_redis: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     ttft_saved_ms: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
+    # 1: the manual is one prompt prefix; more: it is stored as that many parts (ManualPart)
+    part_count: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
 
     conversations: Mapped[list[Conversation]] = relationship(
         back_populates="manual", cascade="all, delete-orphan", passive_deletes=True
@@ -83,6 +85,41 @@ class Message(Base):
     usage: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     timings: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     warnings: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
+    part: Mapped[int | None] = mapped_column(Integer, nullable=True)  # the part that answered
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
     conversation: Mapped[Conversation] = relationship(back_populates="messages")
+
+
+class ManualPart(Base):
+    """One part of a manual longer than the model's window: its text (the overlap with the
+    part before included), that text's prompt ids (the part's header line first) and where it
+    lies in the manual."""
+
+    __tablename__ = "manual_parts"
+    __table_args__ = (UniqueConstraint("manual_id", "idx", name="uq_manual_parts_manual_idx"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    manual_id: Mapped[str] = mapped_column(ForeignKey("manuals.id", ondelete="CASCADE"))
+    idx: Mapped[int] = mapped_column(Integer)  # 0-based position
+    title: Mapped[str] = mapped_column(String(512))
+    start_char: Mapped[int] = mapped_column(Integer)  # overlap included
+    end_char: Mapped[int] = mapped_column(Integer)
+    content: Mapped[str] = mapped_column(Text)
+    token_ids: Mapped[list[int]] = mapped_column(TokenIds)  # header line + content, as prompted
+    token_count: Mapped[int] = mapped_column(Integer)
+
+
+class ManualPassage(Base):
+    """A paragraph of a manual stored as parts, with the part it belongs to and the section
+    it is in: what full-text search ranks (a generated ``tsvector`` column with a GIN index on
+    Postgres, an FTS5 table kept by triggers on SQLite: migrations/versions/0003)."""
+
+    __tablename__ = "manual_passages"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    manual_id: Mapped[str] = mapped_column(ForeignKey("manuals.id", ondelete="CASCADE"), index=True)
+    part_idx: Mapped[int] = mapped_column(Integer)
+    heading: Mapped[str] = mapped_column(String(512))  # its section's
+    term: Mapped[str] = mapped_column(String(512))  # what it defines ("" for running text)
+    content: Mapped[str] = mapped_column(Text)

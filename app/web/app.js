@@ -107,7 +107,10 @@ async function loadManuals() {
       "li",
       { "data-manual-id": m.id, class: state.manual?.id === m.id ? "selected" : "" },
       el("span", { class: "title", title: m.title, textContent: m.title }),
-      el("span", { class: "tokens", textContent: `${fmt(m.tokens)} tokens` }),
+      el("span", {
+        class: "tokens",
+        textContent: `${fmt(m.tokens)} tokens` + (m.parts.length > 1 ? ` in ${m.parts.length} parts` : ""),
+      }),
       el("button", { type: "button", class: "delete", textContent: "Delete" }),
       el("div", {
         class: "ledger",
@@ -117,6 +120,23 @@ async function loadManuals() {
           `prompt tokens reused · saved ${seconds(g.ttft_saved_ms)}`,
       }),
     );
+    if (m.parts.length > 1) {
+      // longer than the model's window: each question is answered from the part that ranks first
+      li.append(
+        el(
+          "details",
+          { class: "parts" },
+          el("summary", { textContent: `${m.parts.length} parts, each its own cached prefix` }),
+          el(
+            "ol",
+            { start: 1 },
+            ...m.parts.map((p) =>
+              el("li", { "data-part": p.index, textContent: `${p.title} (${fmt(p.tokens)} tokens)` }),
+            ),
+          ),
+        ),
+      );
+    }
     li.querySelector(".title").addEventListener("click", () => selectManual(m));
     li.querySelector(".delete").addEventListener("click", () => deleteManual(m));
     list.append(li);
@@ -268,6 +288,8 @@ function showMetrics(li, a, live = true) {
   });
   const meta = li.querySelector(".meta");
   meta.replaceChildren(bar, usage, timing);
+  const part = partLine(a);
+  if (part) meta.prepend(part);
   if (a.finish_reason === "cancelled") {
     li.querySelector(".text").append(el("span", { class: "badge status", textContent: "cancelled" }));
   }
@@ -275,6 +297,27 @@ function showMetrics(li, a, live = true) {
   compare.addEventListener("click", () => compareCold(li, a, compare));
   meta.append(compare);
   if (live) addPoint(t.ttft_ms, u.cached_tokens > 0);
+}
+
+// the part of a manual stored as parts an answer came from (a live answer names it and the
+// runner-up parts' scores; a stored turn has its index)
+function partLine(a) {
+  const parts = state.manual?.parts || [];
+  if (a.part === null || a.part === undefined || parts.length < 2) return null;
+  const index = typeof a.part === "number" ? a.part : a.part.index;
+  const title = typeof a.part === "number" ? parts[index]?.title || "" : a.part.title;
+  const others = (a.part_scores || [])
+    .filter((s) => s.index !== index)
+    .map((s) => `part ${s.index + 1} (${s.score.toFixed(1)})`);
+  const chosen = (a.part_scores || []).find((s) => s.index === index);
+  return el("div", {
+    class: "part",
+    "data-part": index,
+    textContent:
+      `from part ${index + 1} of ${parts.length}: ${title}` +
+      (chosen ? ` · score ${chosen.score.toFixed(1)}` : "") +
+      (others.length ? ` · also ranked ${others.join(", ")}` : ""),
+  });
 }
 
 async function compareCold(li, a, button) {

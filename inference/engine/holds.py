@@ -59,3 +59,10 @@ class PinTable:
             return False
         self.kv.release(held)
         return True
+
+    def unpin_prefix(self, prefix: str) -> int:
+        """Release every pin whose key starts with ``prefix`` (a manual's parts); how many."""
+        keys = [k for k in self._pins if k.startswith(prefix)]
+        for k in keys:
+            self.unpin(k)
+        return len(keys)

@@ -242,6 +242,9 @@ class LLMEngine:
     def unpin(self, key: str) -> bool:
         return self.pins.unpin(key)
 
+    def unpin_prefix(self, prefix: str) -> int:
+        return self.pins.unpin_prefix(prefix)
+
     def write_prefix_to_tier(self, token_ids: list[int], namespace: bytes = b"") -> int:
         """``TierIO.write_prefix``; 0 without a second tier."""
         return 0 if self.tier_io is None else self.tier_io.write_prefix(token_ids, namespace)

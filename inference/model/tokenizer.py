@@ -193,6 +193,17 @@ class TextTokenizer:
         """Ids of plain text; special-token strings inside it stay ordinary text."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def count_batch(self, texts: Sequence[str]) -> list[int]:
+        """Tokens of each plain text (encoded in parallel)."""
+        encs = self._tok.encode_batch(list(texts), add_special_tokens=False)
+        return [len(e.ids) for e in encs]
+
+    def cut_offsets(self, text: str, n: int) -> list[int]:
+        """Character offsets that cut ``text`` into runs of at most ``n`` tokens, at token
+        starts."""
+        offsets = self._tok.encode(text, add_special_tokens=False).offsets
+        return [offsets[i][0] for i in range(n, len(offsets), n)]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
