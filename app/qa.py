@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
-from sqlalchemy import func, select, text, update
+from sqlalchemy import case, func, select, text, update
 from sqlalchemy.exc import IntegrityError
 
 from app.answer import Answer, PartRef, PartScore, Timings, Usage
@@ -302,16 +302,19 @@ class QAService:
         recent questions), staying on ``previous_part`` unless another ranks clearly better."""
         where = (Manual.id == manual_id, Manual.tenant == tenant)
         async with self.db.engine.connect() as conn:
+            # one select: a manual that is one part brings its ids along, one stored as parts
+            # (whose ids the prompt does not use) does not
+            whole_ids = case((Manual.part_count <= 1, Manual.token_ids), else_=None)
             row = (
                 await conn.execute(
-                    select(Manual.tokenizer_fingerprint, Manual.part_count, Manual.title).where(
-                        *where
-                    )
+                    select(
+                        Manual.tokenizer_fingerprint, Manual.part_count, Manual.title, whole_ids
+                    ).where(*where)
                 )
             ).first()
             if row is None:
                 raise NotFound("manual", manual_id)
-            fingerprint, num_parts, title = row
+            fingerprint, num_parts, title, ids = row
             num_parts = num_parts or 1
             if part is not None and not 0 <= part < num_parts:
                 raise ServiceError(
@@ -321,7 +324,6 @@ class QAService:
                     num_parts - 1,
                 )
             if num_parts == 1:
-                ids = await conn.scalar(select(Manual.token_ids).where(*where))
                 text_ = ""
                 if fingerprint != self.tokenizer_fingerprint:
                     text_ = await conn.scalar(select(Manual.content).where(*where))

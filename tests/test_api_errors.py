@@ -72,14 +72,17 @@ def test_file_over_the_size_limit(api):
     assert manual_count(api) == before
 
 
-def test_manual_too_long_for_the_context(api):
+def test_a_manual_longer_than_the_context_is_stored_as_parts_that_fit(api):
+    """(``--parts off`` refuses it instead: tests/test_parts_api.py.)"""
     before = manual_count(api)
-    text = " ".join(f"word{i}" for i in range(6000))  # ~12,000 tokens, context 8,192
-    err = error_of(api.post("/v1/manuals", json={"title": "long", "text": text}), 400,
-                   "manual_too_long")  # fmt: skip
-    assert "8,192" in err["message"] and err["limit"] < 8192
-    assert f"{err['limit']:,}" in err["message"]
-    assert manual_count(api) == before
+    text = " ".join(f"word{i}" for i in range(6000))  # ~27,000 tokens, context 8,192
+    r = api.post("/v1/manuals", json={"title": "long", "text": text})
+    assert r.status_code == 201, r.text
+    parts = r.json()["parts"]
+    assert r.json()["tokens"] > 8192 and len(parts) >= 4
+    assert all(p["tokens"] <= 8192 - 256 for p in parts)
+    assert manual_count(api) == before + 1
+    assert api.delete(f"/v1/manuals/{r.json()['id']}").status_code == 204
 
 
 def test_bad_json_bodies(api):

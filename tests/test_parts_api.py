@@ -81,6 +81,18 @@ def test_a_long_manual_is_answered_from_the_part_holding_the_answer(api):
     stored = api.get(f"/v1/conversations/{conv}").json()["messages"]
     assert [x["part"] for x in stored if x["role"] == "assistant"] == [chosen, chosen]
 
+    # an OpenAI-style completion about the manual says the part as well
+    r = api.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": question}],
+            "manual_id": m["id"],
+            "max_tokens": 2,
+        },
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["part"]["index"] == chosen and r.json()["part_scores"]
+
     # deleting the manual removes its parts with it
     assert api.delete(f"/v1/manuals/{m['id']}").status_code == 204
     assert api.get(f"/v1/manuals/{m['id']}/parts", params={"question": "x"}).status_code == 404

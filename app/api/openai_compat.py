@@ -187,6 +187,9 @@ async def chat_completion(qa: QAService, tenant: str, data: ChatCompletionCreate
             "timings": msgspec.to_builtins(a.timings),
             "warnings": a.warnings,
         }
+        if a.part is not None:  # a manual stored as parts: the part that answered
+            body["part"] = msgspec.to_builtins(a.part)
+            body["part_scores"] = msgspec.to_builtins(a.part_scores)
         return Response(body)
     include_usage = bool(data.stream_options and data.stream_options.include_usage)
 
@@ -214,7 +217,10 @@ async def chat_completion(qa: QAService, tenant: str, data: ChatCompletionCreate
                 elif isinstance(ev, AnswerDone):
                     a = ev.answer
                     timings = msgspec.to_builtins(a.timings)
-                    yield chunk({}, _FINISH.get(a.finish_reason, "stop"), timings=timings)
+                    extra = {"timings": timings}
+                    if a.part is not None:
+                        extra["part"] = msgspec.to_builtins(a.part)
+                    yield chunk({}, _FINISH.get(a.finish_reason, "stop"), **extra)
                     if include_usage:
                         usage = {"usage": _usage(a), "timings": timings}
                         yield sse(None, {**head, "choices": [], **usage})
