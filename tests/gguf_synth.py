@@ -56,6 +56,16 @@ CHATML_TEMPLATE = (
     "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+    "'<|end_header_id|>\n\n' + message['content'] + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{% endif %}"
+)
+QWEN3_TEMPLATE = CHATML_TEMPLATE + (
+    "{% if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+)
 MISTRAL_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
     "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% else %}"
@@ -76,9 +86,11 @@ class Vocab:
     template: str
 
 
-def bpe_vocab(pre: str, size: int = 2048) -> Vocab:
+def bpe_vocab(pre: str, size: int = 2048, family: str = "qwen2") -> Vocab:
     """The default model's byte-level BPE, its first ``size`` tokens and the merges among
-    them (ChatML control tokens included)."""
+    them (ChatML control tokens included); for ``llama``, Llama 3's header tokens added and its
+    template; for ``qwen3``, its <think> tokens (user-defined, as Qwen3's GGUFs mark them) and
+    a template that writes them."""
     g = read_gguf(models_dir() / "gguf" / DEFAULT_GGUF_MEMBER.split("/")[-1])
     tokens = g.get("tokenizer.ggml.tokens")[:size]
     types = g.get("tokenizer.ggml.token_type")[:size]
@@ -88,6 +100,15 @@ def bpe_vocab(pre: str, size: int = 2048) -> Vocab:
         a, b = m.split(" ", 1)
         if a in keep and b in keep and a + b in keep:
             merges.append(m)
+    if family == "llama":
+        header = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+        n = len(tokens)
+        return Vocab(
+            "gpt2", pre, tokens + header, types + [3] * 4, merges, None, n, n + 3, LLAMA3_TEMPLATE
+        )
+    if family == "qwen3":
+        tokens, types = tokens + ["<think>", "</think>"], types + [4, 4]
+        return Vocab("gpt2", pre, tokens, types, merges, None, 1, 2, QWEN3_TEMPLATE)
     return Vocab("gpt2", pre, tokens, types, merges, None, 1, 2, CHATML_TEMPLATE)
 
 
@@ -170,7 +191,7 @@ def write_model(
     128 wide, as in every Qwen3 model (and as transformers assumes for a Qwen3 GGUF)."""
     rng = np.random.default_rng(seed)
     if vocab is None:
-        vocab = spm_vocab() if family == "mistral" else bpe_vocab(_PRE[family])
+        vocab = spm_vocab() if family == "mistral" else bpe_vocab(_PRE[family], family=family)
     head_dim = 128 if family == "qwen3" else hidden // heads
     arch = arch or ("llama" if family == "mistral" else family)
     w = gguf.GGUFWriter(str(path), arch)

@@ -279,3 +279,30 @@ def test_a_vocabulary_without_inst_tokens_spells_the_turns_in_text(tmp_path, def
         prompt_token_ids=[built.token_ids], sampling_params=SamplingParams(max_tokens=4)
     )[0]
     assert len(answer.token_ids) >= 1
+
+
+@pytest.mark.parametrize(
+    "family, opening, closing",
+    [
+        ("llama", "<|begin_of_text|><|start_header_id|>system<|end_header_id|>", "<|eot_id|>"),
+        ("qwen3", "<|im_start|>system", "<think>\n\n</think>\n\n"),
+        ("mistral", "<s>[INST] You are docqa", "[/INST]"),
+    ],
+)
+def test_prompts_follow_the_imported_template(
+    tmp_path, default_model_dir, family, opening, closing
+):
+    """The chat layout comes from the GGUF's template: Llama 3 headers, ChatML with Qwen3's
+    empty <think> block before the answer, Mistral's [INST] turns."""
+    from prompts import PromptBuilder
+
+    out = import_gguf(write_model(tmp_path / "m.gguf", family, "Q8_0"), tmp_path / "m")
+    tok = TextTokenizer(out)
+    built = PromptBuilder(tok).build(TEXT, "Which option compresses the archive?")
+    text = tok.decode(built.token_ids, skip_special_tokens=False)
+    assert text.startswith(opening), text[:80]
+    if family == "llama":
+        assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+        assert built.token_ids.count(tok.special_id("<|eot_id|>")) == 2
+    else:
+        assert text.endswith(closing), text[-80:]
