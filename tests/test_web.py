@@ -209,8 +209,8 @@ def test_the_page_shows_a_long_manuals_parts_and_each_answers_part(
     sqlite_server, browser, tmp_path
 ):
     """A manual longer than the window: the list says how many parts and names them; an
-    answer says which part it came from and which others ranked; reopened, the stored turn
-    still says so."""
+    answer says which part it came from and which others ranked, and a runner-up asks again
+    from that part; reopened, the stored turn still says which part answered."""
     from test_parts_api import TYPING
 
     d = browser
@@ -230,6 +230,13 @@ def test_the_page_shows_a_long_manuals_parts_and_each_answers_part(
     assert line.text.startswith("from part ") and f"of {len(parts)}: " in line.text
     assert "also ranked part" in line.text
     index = int(line.get_attribute("data-part"))
+    # a runner-up part, one click: the same question answered from that part
+    runner_up = line.find_element(*_by("button.ask-part"))
+    other = int(runner_up.get_attribute("data-part"))
+    assert other != index
+    runner_up.click()
+    _wait(d, lambda d: _finished(d, 2))
+    assert int(_answers(d)[1].find_element(*_by(".part")).get_attribute("data-part")) == other
     # the stored turn, reopened, names the same part
     d.refresh()
     title = f'#manual-list > li[data-manual-id="{manual_id}"] .title'

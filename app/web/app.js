@@ -227,7 +227,7 @@ async function openConversation(id) {
     } else {
       const li = answerItem(msg.id, question);
       li.querySelector(".text").textContent = msg.content;
-      if (msg.usage && msg.timings) showMetrics(li, { ...msg, answer: msg.content }, false);
+      if (msg.usage && msg.timings) showMetrics(li, { ...msg, answer: msg.content, question }, false);
       $("messages").append(li);
     }
   }
@@ -306,18 +306,31 @@ function partLine(a) {
   if (a.part === null || a.part === undefined || parts.length < 2) return null;
   const index = typeof a.part === "number" ? a.part : a.part.index;
   const title = typeof a.part === "number" ? parts[index]?.title || "" : a.part.title;
-  const others = (a.part_scores || [])
-    .filter((s) => s.index !== index)
-    .map((s) => `part ${s.index + 1} (${s.score.toFixed(1)})`);
-  const chosen = (a.part_scores || []).find((s) => s.index === index);
-  return el("div", {
+  const scores = a.part_scores || [];
+  const chosen = scores.find((s) => s.index === index);
+  const line = el("div", {
     class: "part",
     "data-part": index,
     textContent:
       `from part ${index + 1} of ${parts.length}: ${title}` +
-      (chosen ? ` · score ${chosen.score.toFixed(1)}` : "") +
-      (others.length ? ` · also ranked ${others.join(", ")}` : ""),
+      (chosen ? ` · score ${chosen.score.toFixed(1)}` : ""),
   });
+  // the runner-up parts: one click asks the same question from that part
+  const others = scores.filter((s) => s.index !== index);
+  if (others.length) line.append(" · also ranked ");
+  others.forEach((s, i) => {
+    const b = el("button", {
+      type: "button",
+      class: "link ask-part",
+      "data-part": s.index,
+      title: `ask again from part ${s.index + 1}: ${s.title}`,
+      textContent: `part ${s.index + 1} (${s.score.toFixed(1)})`,
+    });
+    const question = a.question || "";
+    b.addEventListener("click", () => question && !state.running && ask(question, s.index));
+    line.append(i ? ", " : "", b);
+  });
+  return line;
 }
 
 async function compareCold(li, a, button) {
@@ -346,7 +359,7 @@ async function compareCold(li, a, button) {
   }
 }
 
-async function ask(question) {
+async function ask(question, part = null) {
   if (!state.conversation) {
     const conv = await api(`${manualPath()}/conversations`, { method: "POST" });
     state.conversation = conv.id;
@@ -369,6 +382,7 @@ async function ask(question) {
         content: question,
         max_tokens: Number($("max-tokens").value) || undefined,
         stream: true,
+        ...(part === null ? {} : { part }),
       }),
       signal: controller.signal,
     });
@@ -379,7 +393,7 @@ async function ask(question) {
       token: (data) => li.querySelector(".text").append(data.text),
       answer: (data) => {
         li.querySelector(".text").textContent = data.answer;
-        showMetrics(li, data);
+        showMetrics(li, { ...data, question });
         loadManuals(); // the manual's ledger now holds this answer
       },
       error: (data) => {
