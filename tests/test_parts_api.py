@@ -144,3 +144,13 @@ def test_parts_off_refuses_a_long_manual_and_max_part_tokens_splits_a_short_one(
             "/v1/ask", json={"manual_id": m["id"], "question": "What is Any?", "max_tokens": 2}
         ).json()
         assert a["part"] is not None
+        # warming and pinning take every part
+        w = c.post(f"/v1/manuals/{m['id']}/warm").json()
+        assert w["parts"] == len(m["parts"])
+        assert w["prompt_tokens"] > sum(p["tokens"] for p in m["parts"])  # + instructions each
+        assert w["cached_tokens"] >= w["prompt_tokens"] - 16 * len(m["parts"])
+        pin = c.post(f"/v1/manuals/{m['id']}/pin").json()
+        assert pin["pinned"] and pin["pinned_tokens"] >= w["cached_tokens"] - 16 * len(m["parts"])
+        assert pin["pinned_blocks_total"] >= pin["pinned_tokens"] // 16
+        out = c.post(f"/v1/manuals/{m['id']}/unpin").json()
+        assert out["pinned_blocks_total"] == 0
