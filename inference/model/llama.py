@@ -56,7 +56,7 @@ class LlamaModel:
     @classmethod
     def from_pretrained(cls, model_dir: Path, dtype: torch.dtype, ops: ModelOps) -> LlamaModel:
         model = cls(ModelConfig.from_file(Path(model_dir)), dtype, ops)
-        model.load_state_dict(load_weights(model_dir))
+        model.load_state_dict(load_weights(model_dir, dtype))
         return model
 
     @classmethod

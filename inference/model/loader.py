@@ -28,13 +28,16 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the directory's safetensors files, by Hugging Face name, on the CPU."""
+def load_weights(model_dir: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's safetensors files, by Hugging Face name, on the CPU;
+    with ``dtype``, each converted as it is read (a float32 file of an imported GGUF never
+    sits in memory whole beside its bfloat16 copy)."""
     tensors: dict[str, torch.Tensor] = {}
     for f in weight_files(model_dir):
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for name in sf.keys():  # noqa: SIM118 - safe_open has no __iter__
-                tensors[name] = sf.get_tensor(name)
+                t = sf.get_tensor(name)
+                tensors[name] = t if dtype is None else t.to(dtype)
     return tensors
 
 

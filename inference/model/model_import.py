@@ -170,6 +170,34 @@ def _hf_name(name: str) -> str:
     raise ModelError(f"unexpected tensor {name!r} in GGUF file")
 
 
+def write_safetensors(path: Path, entries, on_tensor=None) -> None:
+    """A safetensors file of float32 tensors written one at a time: ``entries`` are (name,
+    shape, a function giving the tensor's values), so a model's weights never sit in memory
+    all at once (an import of a 7B model would otherwise hold 28 GB)."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, _ in entries:
+        size = int(np.prod(shape, dtype=np.int64)) * 4
+        header[name] = {
+            "dtype": "F32",
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-aligned
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name, shape, values in entries:
+            w = np.ascontiguousarray(values(), dtype=np.float32)
+            if w.shape != tuple(shape):
+                raise ModelError(f"tensor {name}: shape {w.shape}, expected {tuple(shape)}")
+            f.write(memoryview(w).cast("B"))
+            if on_tensor is not None:
+                on_tensor(1)
+
+
 def _file_type_name(reader) -> str | None:
     """The GGUF's ``general.file_type`` as llama.cpp names it (Q4_K_M, Q8_0, ...)."""
     ft = reader.get("general.file_type")
@@ -241,8 +269,6 @@ def gguf_model_config(reader, gguf_name: str) -> tuple[dict, Family]:
 
 def import_gguf(gguf_path: Path, out_dir: Path, force: bool = False) -> Path:
     """Convert a GGUF model (one of FAMILIES) to a Hugging Face directory at ``out_dir``."""
-    from safetensors.numpy import save_file
-
     from inference.model.gguf_quants import TYPE_IDS, TYPES, dequantize, type_name
 
     gguf_path = Path(gguf_path)
@@ -291,24 +317,25 @@ def import_gguf(gguf_path: Path, out_dir: Path, force: bool = False) -> Path:
     shutil.rmtree(tmp_dir, ignore_errors=True)
     tmp_dir.mkdir(parents=True)
     try:
-        tensors: dict[str, np.ndarray] = {}
-        with _progress(len(reader.tensors), f"convert {gguf_path.name}", "tensor") as bar:
-            for t in reader.tensors:
-                w = dequantize(t.data, t.tensor_type)
-                if t.name == "rope_freqs.weight":  # Llama 3 rope scaling as per-frequency divisors
-                    config["rope_freq_factors"] = [float(x) for x in w]
-                    bar.update(1)
-                    continue
-                shape = tuple(int(x) for x in reversed(t.shape))
-                w = w.reshape(shape)
-                if family.permuted_qk and t.name.endswith("attn_q.weight"):
-                    w = _unpermute(w, n_head)
-                elif family.permuted_qk and t.name.endswith("attn_k.weight"):
-                    w = _unpermute(w, n_kv)
-                tensors[_hf_name(t.name)] = np.ascontiguousarray(w)
-                bar.update(1)
-        save_file(tensors, str(tmp_dir / "model.safetensors"), metadata={"format": "pt"})
-        del tensors
+        entries = []  # (name, shape, the tensor's float32 values when it is written)
+        for t in reader.tensors:
+            if t.name == "rope_freqs.weight":  # Llama 3 rope scaling as per-frequency divisors
+                config["rope_freq_factors"] = [float(x) for x in dequantize(t.data, t.tensor_type)]
+                continue
+            shape = tuple(int(x) for x in reversed(t.shape))
+            heads = None
+            if family.permuted_qk and t.name.endswith("attn_q.weight"):
+                heads = n_head
+            elif family.permuted_qk and t.name.endswith("attn_k.weight"):
+                heads = n_kv
+
+            def values(t=t, shape=shape, heads=heads) -> np.ndarray:
+                w = dequantize(t.data, t.tensor_type).reshape(shape)
+                return _unpermute(w, heads) if heads else w
+
+            entries.append((_hf_name(t.name), shape, values))
+        with _progress(len(entries), f"convert {gguf_path.name}", "tensor") as bar:
+            write_safetensors(tmp_dir / "model.safetensors", entries, on_tensor=bar.update)
         (tmp_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
         from inference.model.tokenizer import build_tokenizer_from_gguf_fields
