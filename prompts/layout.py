@@ -62,13 +62,18 @@ class PromptBuilder:
                 self._special_cache[token] = [tid]
             elif token in self.fmt.text_markers:
                 # Mistral 7B v0.1/v0.2 and Llama 2 spell [INST] in text: no token of its own
-                self._special_cache[token] = self.tok.encode(token)
+                self._special_cache[token] = self.tok.encode(self._lead() + token)
             else:
                 raise ValueError(f"the tokenizer has no {token!r} token for {self.fmt.name}")
         return list(self._special_cache[token])
 
     def end_of_turn_id(self) -> int:
         return self._special(self.fmt.end_of_turn)[0]
+
+    def _lead(self) -> str:
+        """The space a SentencePiece vocabulary writes before a turn's first word (``[INST]
+        You`` is ``▁You``); its tokenizer encodes every segment as it is, no space added."""
+        return " " if getattr(self.tok, "prefix_space", False) else ""
 
     # -- segments ------------------------------------------------------------------------------
     def _open(self, role: str) -> list[int]:
@@ -105,7 +110,8 @@ class PromptBuilder:
             ids += self._open(f.user_role)
         else:
             ids += self._open(f.system_role)
-        ids += self.tok.encode(self.system_prompt + "\n\nMANUAL:\n")
+        lead = self._lead() if f.name == "mistral" else ""
+        ids += self.tok.encode(lead + self.system_prompt + "\n\nMANUAL:\n")
         manual_start = len(ids)
         if manual_token_ids is None:
             manual_token_ids = self.manual_token_ids(manual_text)
@@ -119,7 +125,8 @@ class PromptBuilder:
         if f.name == "mistral":
             if first_turn:  # continue the user turn the prefix opened
                 return self.tok.encode("\nQUESTION: " + question.strip()) + self._close()
-            return self._open(f.user_role) + self.tok.encode(question.strip()) + self._close()
+            text = self._lead() + question.strip()
+            return self._open(f.user_role) + self.tok.encode(text) + self._close()
         return self._open(f.user_role) + self.tok.encode(question.strip()) + self._close()
 
     def _assistant_open(self) -> list[int]:
@@ -150,7 +157,7 @@ class PromptBuilder:
                     continue
                 if role == "user":
                     ids += self._open(f.user_role)
-                    ids += self.tok.encode(pending_system + content.strip())
+                    ids += self.tok.encode(self._lead() + pending_system + content.strip())
                     ids += self._close()
                     pending_system = ""
                 else:

@@ -143,9 +143,13 @@ def build_tokenizer_from_gguf_fields(
         tok = Tokenizer(
             models.BPE(vocab=vocab, merges=pairs, unk_token=unk, fuse_unk=True, byte_fallback=True)
         )
+        # llama.cpp writes a space before the text (add_space_prefix, on unless the file says
+        # off); segments here are encoded as they are (``never``) and the prompt layout puts
+        # that space where a turn's text starts (prompts/layout.py), so a segment in the middle
+        # of a turn gets no stray space
         prefix_space = add_space_prefix is None or bool(add_space_prefix)
         tok.pre_tokenizer = pre_tokenizers.Metaspace(
-            replacement="\u2581", prepend_scheme="first" if prefix_space else "never", split=False
+            replacement="\u2581", prepend_scheme="never", split=False
         )
         steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
         if prefix_space:
@@ -185,7 +189,7 @@ class TextTokenizer:
         self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         self.chat_template: str = self.config.get("chat_template") or ""
         # SentencePiece vocabularies mark a word's leading space on the word ("\u2581the") and
-        # encode every text as if a space came before it
+        # want one before a turn's text; the prompt layout writes it (this encodes as it is)
         self.prefix_space = bool(self.config.get("add_prefix_space", False))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
