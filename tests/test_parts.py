@@ -193,3 +193,22 @@ def test_fts5_terms_are_quoted_words_without_stop_words():
 
 def test_part_header_names_the_manual_and_position():
     assert part_header("bash(1)", 2, 12, "EXPANSION") == "bash(1) - part 3 of 12: EXPANSION\n\n"
+
+
+def test_a_question_names_what_it_spells_like_a_name():
+    from app.qa import defined_names, named_in
+
+    assert named_in("What does --cacert do? And -e, PS1, $HOME or BASH_REMATCH?") == {
+        "--cacert",
+        "-e",
+        "PS1",
+        "$HOME",
+        "BASH_REMATCH",
+    }
+    # plain and capitalized words are no names; a hyphenated one counts (it may be an option's
+    # spelling, and a definition must name it exactly to gain)
+    assert named_in("What does the wait builtin do? Which read-only variable?") == {"read-only"}
+    assert named_in("How do I set it?") == set()
+    assert defined_names("-L, --location") == {"-L", "--location"}
+    assert defined_names("wait [-fn] [-p varname] [id ...]") == {"wait"}
+    assert defined_names("HISTSIZE") == {"HISTSIZE"} and defined_names("") == set()
