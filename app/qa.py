@@ -141,7 +141,7 @@ def fts5_terms(text: str) -> list[str]:
 
 def bm25(hits: dict[str, list[tuple[int, int, int]]], num_docs: int, avg_len: float) -> dict:
     """Okapi BM25 of each passage from the database's per-term matches: ``hits[term]`` lists
-    (passage, length, occurrences) of the passages that hold the term. Lucene's inverse
+    (passage, length, the term's count there) of the passages that hold it. Lucene's inverse
     document frequency, ln(1 + (N - n + 0.5) / (n + 0.5)), stays positive for a term most
     passages hold (FTS5's bm25() drops such terms altogether). Length normalization is mild
     (b = 0.3): a definition of several lines is not outranked by a one-line mention."""
@@ -212,25 +212,27 @@ _PG_TERMS = text(
     WHERE s.manual_id = :manual_id AND s.search @@ q.any_of AND u.lexeme = ANY(q.lexemes)
     """
 )
-# SQLite: the passages of one manual that hold one term (an FTS5 phrase), with its occurrences
-# in the text, the heading and the term (each marked by highlight() with a \x01)
+# SQLite: the passages of one manual that hold one term (an FTS5 phrase) in their text, their
+# section's heading, their defined term: one index lookup each, by column filter
 _SQLITE_TERM = text(
     """
     SELECT s.id, s.part_idx, s.term, length(s.content),
-           length(h.body) - length(replace(h.body, char(1), '')),
-           length(h.head) - length(replace(h.head, char(1), '')),
-           length(h.term) - length(replace(h.term, char(1), ''))
-    FROM (SELECT rowid,
-                 highlight(manual_passages_fts, 2, char(1), char(2)) AS body,
-                 highlight(manual_passages_fts, 1, char(1), char(2)) AS head,
-                 highlight(manual_passages_fts, 0, char(1), char(2)) AS term
-          FROM manual_passages_fts WHERE manual_passages_fts MATCH :term) h
-    JOIN manual_passages s ON s.id = h.rowid
+           max(m.col = 'content'), max(m.col = 'heading'), max(m.col = 'term')
+    FROM (SELECT rowid, 'content' AS col FROM manual_passages_fts
+           WHERE manual_passages_fts MATCH :in_content
+          UNION ALL
+          SELECT rowid, 'heading' FROM manual_passages_fts
+           WHERE manual_passages_fts MATCH :in_heading
+          UNION ALL
+          SELECT rowid, 'term' FROM manual_passages_fts WHERE manual_passages_fts MATCH :in_term) m
+    JOIN manual_passages s ON s.id = m.rowid
     WHERE s.manual_id = :manual_id
+    GROUP BY s.id
     """
 )
-# an occurrence in the term a passage defines counts as TERM_WEIGHT in its text; in its
-# section's heading as HEADING_WEIGHT
+# a word in the term a passage defines counts as TERM_WEIGHT times one in its text; in its
+# section's heading, HEADING_WEIGHT times (each counted once: whether it is there, not how
+# often, which ranked as well on bench/parts.py's questions and needs no pass over the text)
 TERM_WEIGHT, HEADING_WEIGHT = 2, 1
 PASSAGES_PER_PART = 3
 
@@ -351,14 +353,14 @@ class QAService:
 
     async def rank_parts(self, conn, manual_id: str, num_parts: int, query: str) -> list[PartScore]:
         """The manual's parts ranked for ``query``, best first, each by its best passages: the
-        database's full-text search finds the passages that hold a word of the query and
-        counts it in each (Postgres: their tsvectors, english stems; SQLite: FTS5, porter
-        stems), ``bm25`` scores them, ``part_scores`` adds up each part's best."""
+        database's full-text search finds the passages that hold a word of the query, in their
+        text, heading or defined term (Postgres: their tsvectors, english stems; SQLite: FTS5,
+        porter stems), ``bm25`` scores them, ``part_scores`` adds up each part's best."""
         hits: dict[str, list[tuple[int, int, int]]] = {}
         part_of: dict[int, int] = {}
 
         def weighted(tf: int, th: int, tt: int) -> int:
-            return tf + HEADING_WEIGHT * th + TERM_WEIGHT * tt
+            return min(tf, 1) + HEADING_WEIGHT * min(th, 1) + TERM_WEIGHT * min(tt, 1)
 
         terms: dict[int, str] = {}
         if conn.dialect.name == "postgresql":
@@ -369,9 +371,13 @@ class QAService:
                 part_of[sid], terms[sid] = part, term
         else:
             for word in fts5_terms(query):
-                rows = (
-                    await conn.execute(_SQLITE_TERM, {"term": word, "manual_id": manual_id})
-                ).all()
+                params = {
+                    "in_content": f"content : {word}",
+                    "in_heading": f"heading : {word}",
+                    "in_term": f"term : {word}",
+                    "manual_id": manual_id,
+                }
+                rows = (await conn.execute(_SQLITE_TERM, params)).all()
                 hits[word] = [(sid, n, weighted(*tfs)) for sid, _, _, n, *tfs in rows]
                 part_of.update((sid, part) for sid, part, *_ in rows)
                 terms.update((sid, term) for sid, _, term, *_ in rows)
