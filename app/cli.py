@@ -44,29 +44,14 @@ def cmd_model_import(args) -> int:
 
 def cmd_model_list(args) -> int:
     """The imported models: name, family, size, quantization, window, KV bytes per token."""
+    from dataclasses import asdict
+
     from inference.kv_sizing import format_bytes
     from inference.model.model_import import list_models, models_dir
 
     rows = list_models()
     if args.json:
-        print(
-            json.dumps(
-                [
-                    {
-                        "name": m.name,
-                        "path": str(m.path),
-                        "family": m.family,
-                        "parameters": m.parameters,
-                        "quantization": m.quantization,
-                        "window": m.window,
-                        "kv_bytes_per_token": m.kv_bytes_per_token,
-                        "disk_bytes": m.disk_bytes,
-                    }
-                    for m in rows
-                ],
-                indent=2,
-            )
-        )
+        print(json.dumps([{**asdict(m), "path": str(m.path)} for m in rows], indent=2))
         return 0
     if not rows:
         print(f"no models under {models_dir()} (docqa model import [--gguf FILE])")

@@ -8,8 +8,8 @@ import re
 import pytest
 
 from app.answer import PartScore
+from app.manual_parts import bm25, choose_part, fts5_terms, part_scores
 from app.parts import defined_term_of, heading_of, part_header, passages, split_manual
-from app.qa import bm25, choose_part, fts5_terms, part_scores
 
 BUDGET = 300
 
@@ -196,7 +196,7 @@ def test_part_header_names_the_manual_and_position():
 
 
 def test_a_question_names_what_it_spells_like_a_name():
-    from app.qa import defined_names, named_in
+    from app.manual_parts import defined_names, named_in
 
     assert named_in("What does --cacert do? And -e, PS1, $HOME or BASH_REMATCH?") == {
         "--cacert",

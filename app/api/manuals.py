@@ -42,6 +42,7 @@ from app.api.schemas import (
 )
 from app.db import Manual
 from app.errors import NotFound
+from app.manual_parts import search_parts
 from app.manual_text import extract_manual_text, manual_kind
 from app.qa import QAService
 
@@ -226,7 +227,7 @@ class ManualController(Controller):
             )
             if res.rowcount == 0:
                 raise NotFound("manual", manual_id)
-        await qa.unpin(tenant, manual_id)
+        await qa.cache.unpin(tenant, manual_id)
 
     @get(
         "/{manual_id:str}/parts",
@@ -241,7 +242,8 @@ class ManualController(Controller):
     async def search_parts(
         self, qa: QAService, tenant: str, manual_id: ManualId, question: QuestionQuery
     ) -> PartSearchOut:
-        found = await qa.search_parts(tenant, manual_id, question)
+        async with qa.db.engine.connect() as conn:
+            found = await search_parts(conn, tenant, manual_id, question)
         return PartSearchOut(
             manual_id=found["manual_id"],
             question=found["question"],
@@ -257,7 +259,7 @@ class ManualController(Controller):
     )
     async def warm(self, qa: QAService, tenant: str, manual_id: ManualId) -> WarmOut:
         manual = await qa.get_manual(tenant, manual_id)
-        return WarmOut(**(await qa.warm(tenant, manual)))
+        return WarmOut(**(await qa.cache.warm(tenant, manual)))
 
     @post(
         "/{manual_id:str}/pin",
@@ -271,7 +273,7 @@ class ManualController(Controller):
     )
     async def pin(self, qa: QAService, tenant: str, manual_id: ManualId) -> PinOut:
         manual = await qa.get_manual(tenant, manual_id)
-        return PinOut(**(await qa.pin(tenant, manual)))
+        return PinOut(**(await qa.cache.pin(tenant, manual)))
 
     @post(
         "/{manual_id:str}/unpin",
@@ -281,7 +283,7 @@ class ManualController(Controller):
     )
     async def unpin(self, qa: QAService, tenant: str, manual_id: ManualId) -> PinOut:
         await qa.get_manual(tenant, manual_id)
-        await qa.unpin(tenant, manual_id)
+        await qa.cache.unpin(tenant, manual_id)
         c = qa.runner.counters()
         return PinOut(
             manual_id=manual_id,

@@ -139,8 +139,6 @@ FAMILIES = {
     "qwen3": Family("qwen3", "Qwen3ForCausalLM", permuted_qk=False, qk_norm=True),
 }
 
-# tensor types the CPU linear kernel keeps in their own block form (the rest become float32)
-_BLOCK_FORMS = {"Q4_1", "Q8_0"}
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -269,7 +267,11 @@ def gguf_model_config(reader, gguf_name: str) -> tuple[dict, Family]:
 
 def import_gguf(gguf_path: Path, out_dir: Path, force: bool = False) -> Path:
     """Convert a GGUF model (one of FAMILIES) to a Hugging Face directory at ``out_dir``."""
+    from inference.kernels.cpu.linear import WEIGHT_FORMATS
     from inference.model.gguf_quants import TYPE_IDS, TYPES, dequantize, type_name
+
+    # the GGUF types the CPU linear kernel holds as its own blocks (the rest stay float32)
+    block_forms = {f.upper() for f in WEIGHT_FORMATS.values() if f != "float32"}
 
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
@@ -306,7 +308,7 @@ def import_gguf(gguf_path: Path, out_dir: Path, force: bool = False) -> Path:
     for name, n in sorted(counts.items()):
         how = (
             "read by the CPU linear kernel as its own blocks"
-            if name in _BLOCK_FORMS
+            if name in block_forms
             else "kept as float32"
             if name == "F32"
             else "dequantized once to float32"

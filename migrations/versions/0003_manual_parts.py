@@ -14,16 +14,17 @@ branch_labels = None
 depends_on = None
 
 
+def _manual_id() -> sa.Column:
+    return sa.Column(
+        "manual_id", sa.String(40), sa.ForeignKey("manuals.id", ondelete="CASCADE"), nullable=False
+    )
+
+
 def upgrade() -> None:
     op.create_table(
         "manual_parts",
         sa.Column("id", sa.Integer(), primary_key=True, autoincrement=True),
-        sa.Column(
-            "manual_id",
-            sa.String(40),
-            sa.ForeignKey("manuals.id", ondelete="CASCADE"),
-            nullable=False,
-        ),
+        _manual_id(),
         sa.Column("idx", sa.Integer(), nullable=False),
         sa.Column("title", sa.String(512), nullable=False),
         sa.Column("start_char", sa.Integer(), nullable=False),
@@ -36,12 +37,7 @@ def upgrade() -> None:
     op.create_table(
         "manual_passages",
         sa.Column("id", sa.Integer(), primary_key=True, autoincrement=True),
-        sa.Column(
-            "manual_id",
-            sa.String(40),
-            sa.ForeignKey("manuals.id", ondelete="CASCADE"),
-            nullable=False,
-        ),
+        _manual_id(),
         sa.Column("part_idx", sa.Integer(), nullable=False),
         sa.Column("heading", sa.String(512), nullable=False),
         sa.Column("term", sa.String(512), nullable=False),
