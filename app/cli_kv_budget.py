@@ -65,9 +65,9 @@ def cmd_kv_budget(args) -> int:
         f"(2 x {layers} x {kv_heads} x {head_dim} x {elem} = {bpt:,} bytes)"
     )
     print(f"per sequence of {context:,} tokens: {format_bytes(bpt * context)}")
-    if args.manual_tokens:
+    if args.manual_tokens is not None:
         _manual_prompts(args.manual_tokens, args.max_part_tokens, context, bpt)
-    elif args.max_part_tokens:
+    elif args.max_part_tokens is not None:
         raise DocqaError("--max-part-tokens goes with --manual-tokens (the manual's length)")
 
     if args.workload and (args.prompt_tokens or args.output_tokens):
@@ -181,6 +181,8 @@ def _manual_prompts(manual: int, max_part: int | None, context: int, bpt: int) -
 
     if manual < 1:
         raise DocqaError(f"--manual-tokens must be positive, got {manual}")
+    if max_part is not None and max_part < 1:
+        raise DocqaError(f"--max-part-tokens must be positive, got {max_part}")
     room = context - MIN_QUESTION_ROOM - INSTRUCTION_TOKENS  # a manual's share of a prompt
     asked = QUESTION_TOKENS  # the question and its answer, about
     print(f"a manual of {manual:,} tokens, in prompts of at most {context:,} tokens:")

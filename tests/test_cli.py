@@ -191,3 +191,8 @@ def test_kv_budget_shows_a_manual_whole_and_in_parts():
     _assert_one_line_error(
         docqa("kv-budget", "--max-part-tokens", "100"), "--max-part-tokens goes with"
     )
+    _assert_one_line_error(docqa("kv-budget", "--manual-tokens", "0"), "must be positive, got 0")
+    _assert_one_line_error(
+        docqa("kv-budget", "--manual-tokens", "9000", "--max-part-tokens", "0"),
+        "--max-part-tokens must be positive, got 0",
+    )

@@ -308,3 +308,24 @@ def test_prompts_follow_the_imported_template(
         assert built.token_ids.count(tok.special_id("<|eot_id|>")) == 2
     else:
         assert text.endswith(closing), text[-80:]
+
+
+def test_an_unsupported_tensor_type_is_refused_in_one_line_and_writes_nothing(tmp_path):
+    """Q8_1 (llama.cpp's intermediate type, never a model's) names itself and the types read."""
+    path = tmp_path / "q81.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(32)
+    w.add_head_count(2)
+    q81 = np.zeros((4, 40), np.uint8)  # 4 rows of one 32-value Q8_1 block
+    w.add_tensor("token_embd.weight", q81, raw_dtype=gguf.GGMLQuantizationType.Q8_1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    out = tmp_path / "out"
+    with pytest.raises(ModelError, match="tensor type Q8_1 is not supported") as e:
+        import_gguf(path, out)
+    assert "Q4_K" in str(e.value) and "\n" not in str(e.value)
+    assert not out.exists() and not out.with_name("out.importing").exists()

@@ -69,6 +69,14 @@ def test_a_long_manual_is_answered_from_the_part_holding_the_answer(api):
     assert _ask(api, m["id"], question, part=other)["part"]["index"] == other
     r = api.post("/v1/ask", json={"manual_id": m["id"], "question": question, "part": 99})
     assert r.status_code == 400 and f"0 to {len(parts) - 1}" in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "invalid_request"
+    # in a conversation, no turn is stored for it
+    bad = api.post("/v1/conversations", json={"manual_id": m["id"]}).json()["id"]
+    r = api.post(f"/v1/conversations/{bad}/messages", json={"content": question, "part": -1})
+    assert r.status_code == 400 and "part" in r.json()["error"]["message"]
+    r = api.post(f"/v1/conversations/{bad}/messages", json={"content": question, "part": 99})
+    assert r.status_code == 400 and "this manual has" in r.json()["error"]["message"]
+    assert api.get(f"/v1/conversations/{bad}").json()["messages"] == []
 
     # in a conversation, a follow-up that ranks no part clearly better stays on the part
     conv = api.post("/v1/conversations", json={"manual_id": m["id"]}).json()["id"]
@@ -98,10 +106,15 @@ def test_a_long_manual_is_answered_from_the_part_holding_the_answer(api):
     assert api.get(f"/v1/manuals/{m['id']}/parts", params={"question": "x"}).status_code == 404
 
 
-def test_a_manual_that_fits_is_one_part_and_its_prompt_is_unchanged(api):
+def test_a_manual_that_fits_is_one_part_and_its_prompt_is_unchanged(api, tokenizer):
+    from prompts import PromptBuilder
+
     text = f"Revision {uuid.uuid4().hex}\n\n{TYPING[:3000]}"
     m = _upload(api, text, "short")
     assert [(p["index"], p["tokens"]) for p in m["parts"]] == [(0, m["tokens"])]
+    # its prefix is the whole-manual prefix, no part header line in it
+    prefix, _ = PromptBuilder(tokenizer).prefix_ids(text)
+    assert api.post(f"/v1/manuals/{m['id']}/warm").json()["prompt_tokens"] == len(prefix)
     a = _ask(api, m["id"], "What is typing?")
     assert a["part"] is None and a["part_scores"] == []
     r = api.post("/v1/ask", json={"manual_id": m["id"], "question": "x", "part": 1})

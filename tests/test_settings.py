@@ -51,6 +51,9 @@ def test_tier_options_reach_the_engine(env):
         ("DOCQA_REDIS_MAX_GIB", "-1", "DOCQA_REDIS_MAX_GIB must be positive"),
         ("DOCQA_KV_DTYPE", "int4", "must be one of float32, bfloat16, float16, int8, fp8"),
         ("DOCQA_BENCHMARK_WEIGHTS", "on", "--benchmark-weights needs a benchmark model"),
+        ("DOCQA_PARTS", "sometimes", "DOCQA_PARTS must be on or off"),
+        ("DOCQA_MAX_PART_TOKENS", "many", "DOCQA_MAX_PART_TOKENS must be a whole number"),
+        ("DOCQA_MAX_PART_TOKENS", "100", "must be at least 256, got 100"),
     ],
 )
 def test_bad_values_are_refused_with_the_rule(env, name, value, message):

@@ -32,7 +32,15 @@ TYPE_IDS = {name: t for t, (name, _, _) in TYPES.items()}
 
 
 def type_name(ttype: int) -> str:
-    return TYPES[ttype][0] if ttype in TYPES else f"type {ttype}"
+    """A ggml type's name (llama.cpp's, for a type not read here too)."""
+    if ttype in TYPES:
+        return TYPES[ttype][0]
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(ttype).name
+    except ValueError:
+        return f"type {ttype}"
 
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
