@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import logging
 import threading
 import time
@@ -26,6 +25,7 @@ from inference.engine.sequence import Request
 from inference.errors import DocqaError
 from inference.llm import benchmark_seed, resolve_model
 from inference.metrics import RequestMetrics
+from inference.model.config import read_config_json
 from inference.runner import prebuild_kernels
 from prefix_store import TierConfig
 from prompts import PromptBuilder
@@ -185,7 +185,7 @@ class EngineRunner:
             self.random_weights = "random_weights_seed" in kwargs
             self.builder = PromptBuilder(engine.tokenizer)
             self.model_name = model_dir.name
-            raw = json.loads((model_dir / "config.json").read_text())
+            _, raw = read_config_json(model_dir)
             self.model_family = str(raw.get("model_type", "llama"))
             self.model_quantization = str(raw.get("gguf_quantization") or raw.get("torch_dtype"))
             self.engine = engine
