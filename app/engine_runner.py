@@ -384,6 +384,7 @@ class EngineRunner:
         use_cache: bool = True,
         owner: str | None = None,
         speculate: bool = True,
+        draft_group: str | None = None,
     ) -> RequestHandle:
         """Queue a request; errors about the prompt (too long, too large for the pool) are
         raised here, before anything runs. Its timings count from this call: the engine thread
@@ -406,6 +407,7 @@ class EngineRunner:
                 use_cache=use_cache,
                 arrival=arrival,
                 speculate=speculate,
+                draft_group=draft_group,
             )
             self._active[request_id] = (req, handle)
 

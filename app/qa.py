@@ -74,6 +74,14 @@ class Job:
     part: PartRef | None = None  # the part of the manual that answers
     part_scores: list[PartScore] = field(default_factory=list)
 
+    @property
+    def draft_group(self) -> str | None:
+        """The answers this one drafts from and joins (speculation): its manual's, or its
+        part's (within the job's namespace, its tenant's)."""
+        if self.manual_id is None:
+            return None
+        return self.manual_id if self.part is None else f"{self.manual_id}:{self.part.index}"
+
 
 class QAService:
     def __init__(self, settings: Settings, db: Database, runner: EngineRunner):
@@ -349,6 +357,7 @@ class QAService:
             use_cache=job.use_cache,
             owner=job.tenant,
             speculate=job.speculate,
+            draft_group=job.draft_group,
         )
         task = asyncio.get_running_loop().create_task(self._complete(job, handle))
         self._tasks.add(task)

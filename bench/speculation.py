@@ -4,20 +4,26 @@
         [--json bench/results/speculation-DATE.json]
 
 Two engines of the default model, one with ``speculate="off"`` and one with prompt-lookup
-drafts, each with the bundled tarx manual and the tests' pump manual cached. Two question
-sets per manual: answers that quote the manual (how-to, which option, what a message means)
-and answers that do not (yes/no, opinions, summaries in other words).
+drafts (a question's draft group is its manual), each with the bundled tarx manual and the
+tests' pump manual cached. Two question sets per manual: answers that quote the manual
+(how-to, which option, what a message means) and answers that do not (yes/no, opinions,
+summaries in other words).
 
 1. **Step cost of extra rows**: N requests (1, 4, 16) decoding after a manual, each carrying
    0, 1, 3, 7 or 15 drafted rows; the median forward pass of ``--step-repeats`` passes of each
    shape, and its ratio to the plain decode step. Where the ratio starts to climb is where
    the policy's ``max_step_rows`` stops drafts.
 2. **Batch 1**: every question alone, greedy, on each engine in turn (``--repeats`` times,
-   the best kept): decode tokens/s (the answer's tokens after the first over the time from
-   first token to last), the acceptance rate (accepted over drafted tokens), the mean tokens
-   a decode step produced, and whether the answers are the same token for token.
-3. **16 clients**: 16 questions of a set at once on each engine (an in-process batch): output
-   tokens/s over the batch's wall time, and the same answers.
+   the best kept), each drafting from its own prompt and answer and from the answers of the
+   questions before it about the same manual (its draft group; never its own earlier
+   answer): decode tokens/s (the answer's tokens after the first over the time from first
+   token to last), the acceptance rate (accepted over drafted tokens), the mean tokens a
+   decode step produced, and whether the answers are the same token for token.
+3. **Asked again**: every question a second time alone, its first answer among the
+   group's: the same figures.
+4. **16 clients**: 16 questions of a set at once on each engine (an in-process batch), with
+   no earlier answers to draft from: output tokens/s over the batch's wall time, and the
+   same answers.
 
 Prints a table; ``--json`` writes the figures.
 """
@@ -25,6 +31,7 @@ Prints a table; ``--json`` writes the figures.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import statistics
@@ -111,12 +118,19 @@ def _prompts(llm: LLM, questions: dict[str, list[str]]) -> list[list[int]]:
     return [builder.build(MANUALS[m], q).token_ids for m, qs in questions.items() for q in qs]
 
 
-def _run(llm: LLM, prompts: list[list[int]], max_tokens: int):
-    """The prompts at once; (requests, wall seconds)."""
+def _groups(questions: dict[str, list[str]]) -> list[str]:
+    """Each question's draft group: its manual."""
+    return [m for m, qs in questions.items() for _ in qs]
+
+
+def _run(llm: LLM, prompts: list[list[int]], max_tokens: int, groups=None):
+    """The prompts at once (``groups``: their draft groups); (requests, wall seconds)."""
     eng = llm.engine
     params = SamplingParams(max_tokens=max_tokens)
+    groups = groups or [None] * len(prompts)
     t0 = time.perf_counter()
-    reqs = [eng.add_request(ids, params) for ids in prompts]
+    pairs = zip(prompts, groups, strict=True)
+    reqs = [eng.add_request(ids, params, draft_group=g) for ids, g in pairs]
     while not all(r.finished for r in reqs):
         eng.step()
     wall = time.perf_counter() - t0
@@ -142,6 +156,10 @@ def _decode_stats(reqs) -> dict:
         "acceptance": accepted / drafted if drafted else 0.0,
         "tokens_per_step": tokens / steps if steps else 1.0,
     }
+
+
+def _same(a, b) -> bool:
+    return all(x.output_token_ids == y.output_token_ids for x, y in zip(a, b, strict=True))
 
 
 def index_costs() -> dict:
@@ -223,7 +241,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--repeats", type=int, default=2, help="batch-1 runs per question")
+    ap.add_argument("--repeats", type=int, default=1, help="batch-1 runs per question")
     ap.add_argument("--step-repeats", type=int, default=15)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -255,29 +273,36 @@ def main() -> int:
         )
 
     out["sets"] = {}
+    bank = on.engine.drafts.bank
     for name, questions in (("quoting", QUOTING), ("other", OTHER)):
-        prompts = _prompts(off, questions)
-        # batch 1: each question alone, alternating engines, the best of the repeats
+        prompts, groups = _prompts(off, questions), _groups(questions)
+        # batch 1: each question alone, alternating engines, the best of the repeats; each
+        # repeat drafts from the answers of the questions before it (never its own)
+        bank.clear()
         alone: dict[str, list] = {"off": [], "prompt-lookup": []}
-        best: dict[str, list[float]] = {"off": [], "prompt-lookup": []}
-        for ids in prompts:
+        for ids, g in zip(prompts, groups, strict=True):
+            before = copy.deepcopy(bank._groups)
             for mode in ("off", "prompt-lookup"):
-                runs = [_run(llms[mode], [ids], args.max_tokens)[0][0] for _ in range(args.repeats)]
-                fastest = max(runs, key=lambda r: _decode_stats([r])["decode_tok_s"])
-                alone[mode].append(fastest)
-        for mode in alone:
-            best[mode] = [_decode_stats([r])["decode_tok_s"] for r in alone[mode]]
-        same1 = all(
-            a.output_token_ids == b.output_token_ids
-            for a, b in zip(alone["off"], alone["prompt-lookup"], strict=True)
-        )
+                runs = []
+                for _ in range(args.repeats):
+                    bank._groups = copy.deepcopy(before)
+                    runs.append(_run(llms[mode], [ids], args.max_tokens, [g])[0][0])
+                alone[mode].append(max(runs, key=lambda r: _decode_stats([r])["decode_tok_s"]))
+        same1 = _same(alone["off"], alone["prompt-lookup"])
         s_off, s_on = _decode_stats(alone["off"]), _decode_stats(alone["prompt-lookup"])
-        # 16 clients: the set's 16 questions at once
-        batch = {mode: _run(llms[mode], prompts[:16], args.max_tokens) for mode in llms}
-        same16 = all(
-            a.output_token_ids == b.output_token_ids
-            for a, b in zip(batch["off"][0], batch["prompt-lookup"][0], strict=True)
-        )
+        # asked again: each question a second time alone, its first answer in the bank
+        again = {
+            mode: [_run(llms[mode], [ids], args.max_tokens, [g])[0][0]
+                   for ids, g in zip(prompts, groups, strict=True)]
+            for mode in ("off", "prompt-lookup")
+        }  # fmt: skip
+        a_off, a_on = _decode_stats(again["off"]), _decode_stats(again["prompt-lookup"])
+        # 16 clients: the set's 16 questions at once, no earlier answers to draft from
+        bank.clear()
+        batch = {
+            mode: _run(llms[mode], prompts[:16], args.max_tokens, groups[:16]) for mode in llms
+        }
+        same16 = _same(batch["off"][0], batch["prompt-lookup"][0])
         tok16 = {
             mode: sum(len(r.output_token_ids) for r in reqs) / wall
             for mode, (reqs, wall) in batch.items()
@@ -287,12 +312,13 @@ def main() -> int:
             "questions": len(prompts),
             "batch1_decode_tok_s": {"off": s_off["decode_tok_s"], "on": s_on["decode_tok_s"]},
             "batch1_speedup": s_on["decode_tok_s"] / s_off["decode_tok_s"],
-            "batch1_speedup_per_answer_median": statistics.median(
-                b / a for a, b in zip(best["off"], best["prompt-lookup"], strict=True)
-            ),
             "batch1_acceptance": s_on["acceptance"],
             "batch1_tokens_per_step": s_on["tokens_per_step"],
             "batch1_same_answers": same1,
+            "again_decode_tok_s": {"off": a_off["decode_tok_s"], "on": a_on["decode_tok_s"]},
+            "again_speedup": a_on["decode_tok_s"] / a_off["decode_tok_s"],
+            "again_tokens_per_step": a_on["tokens_per_step"],
+            "again_same_answers": _same(alone["off"], again["prompt-lookup"]),
             "clients16_output_tok_s": {"off": tok16["off"], "on": tok16["prompt-lookup"]},
             "clients16_ratio": tok16["prompt-lookup"] / tok16["off"],
             "clients16_acceptance": b_on["acceptance"],
@@ -306,6 +332,9 @@ def main() -> int:
             f"decode tok/s ({row['batch1_speedup']:.2f}x), acceptance "
             f"{s_on['acceptance']:.2f}, {s_on['tokens_per_step']:.2f} tokens/step, same "
             f"answers: {same1}\n"
+            f"         asked again: {a_off['decode_tok_s']:6.1f} -> {a_on['decode_tok_s']:6.1f} "
+            f"({row['again_speedup']:.2f}x), {a_on['tokens_per_step']:.2f} tokens/step, same "
+            f"answers: {row['again_same_answers']}\n"
             f"         16 clients: {tok16['off']:6.1f} -> {tok16['prompt-lookup']:6.1f} "
             f"output tok/s ({row['clients16_ratio']:.2f}x), acceptance "
             f"{b_on['acceptance']:.2f}, {b_on['tokens_per_step']:.2f} tokens/step, same "

@@ -70,10 +70,13 @@ class LLM:
         use_cache: bool = True,
         namespace: bytes = b"",
         speculate: bool = True,
+        draft_group: bytes | str | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched; one output per prompt, in order.
 
         Text prompts are encoded as plain text (no chat template, no special tokens parsed).
+        ``draft_group``: with speculation on, the prompts draft from the group's earlier
+        answers too (``LLMEngine.add_request``).
         """
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("pass exactly one of prompts and prompt_token_ids")
@@ -87,7 +90,12 @@ class LLM:
             for ids in ids_list:
                 reqs.append(
                     engine.add_request(
-                        ids, params, use_cache=use_cache, namespace=namespace, speculate=speculate
+                        ids,
+                        params,
+                        use_cache=use_cache,
+                        namespace=namespace,
+                        speculate=speculate,
+                        draft_group=draft_group,
                     )
                 )
             while any(not r.finished for r in reqs):

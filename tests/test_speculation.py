@@ -10,7 +10,14 @@ import torch
 from bench.speculation import PUMP  # the pump manual of the benchmark and test_real_model
 from inference import LLM, SamplingParams
 from inference.engine.sequence import Request
-from inference.engine.speculate import DraftPolicy, NgramIndex, SpeculationConfig, StepCost
+from inference.engine.speculate import (
+    SEPARATOR,
+    AnswerBank,
+    DraftPolicy,
+    NgramIndex,
+    SpeculationConfig,
+    StepCost,
+)
 from prompts import PromptBuilder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,6 +61,38 @@ def test_the_index_built_at_once_equals_the_one_extended_token_by_token():
     assert none.propose(_seq([1, 2, 3, 4]), 4, 4) == []
     with pytest.raises(ValueError, match="n-gram sizes"):
         NgramIndex(3, 2)
+
+
+def test_the_answer_bank_proposes_what_a_groups_earlier_answers_said_next():
+    bank = AnswerBank(1, 3, tokens_per_group=16, max_groups=2)
+    bank.add(b"a", [1, 2, 3, 4, 5])
+    bank.add(b"a", [7, 2, 3, 9])
+    bank.add(b"b", [1, 2, 8])
+    bank.add(b"a", [6])  # one token says nothing about what follows: not kept
+    # the most recent occurrence of "2 3" in group a was followed by 9, then the answer ended
+    assert bank.propose(b"a", [0, 2, 3], 2, 5) == [9]
+    assert bank.propose(b"a", [4], 1, 5) == [5]  # a draft never crosses into the next answer
+    assert bank.propose(b"b", [0, 2, 3], 2, 5) == []  # groups are apart
+    assert bank.propose(b"b", [2], 1, 5) == [8]
+    assert bank.propose(None, [2], 1, 5) == [] and bank.propose(b"c", [2], 1, 5) == []
+    # full: the older answers go, the newer stay (an answer's last half a group at most)
+    bank.add(b"a", [10, 11, 12, 13, 14, 15, 16, 17, 18, 19])
+    idx, toks = bank.get(b"a")
+    assert toks == [7, 2, 3, 9, SEPARATOR, 12, 13, 14, 15, 16, 17, 18, 19, SEPARATOR]
+    assert bank.propose(b"a", [4], 1, 5) == [] and bank.propose(b"a", [12], 1, 2) == [13, 14]
+    bank.add(b"c", [1, 2])  # a third group: the least recently used (b) goes
+    assert len(bank) == 2 and bank.get(b"b") is None
+
+
+def test_a_request_drafts_from_its_groups_answers_after_its_own_tokens():
+    policy = DraftPolicy(SpeculationConfig(max_draft_tokens=4))
+    policy.bank.add(b"m", [4, 5, 6, 7, 8])
+    req = Request("r", [1, 2, 3, 1, 2, 4, 5], SamplingParams())
+    assert policy.propose(req, 4) == []  # its own tokens never had "5" followed
+    req.draft_group = b"m"
+    assert policy.propose(req, 4) == [6, 7, 8]
+    own = Request("o", [1, 2, 3, 1, 2], SamplingParams(), draft_group=b"m")
+    assert policy.propose(own, 4) == [3, 1, 2]  # its own "1 2" comes first
 
 
 def test_an_8000_token_prompt_is_indexed_once_and_looked_up_in_microseconds():
@@ -205,6 +244,38 @@ def test_a_batch_mixing_requests_with_and_without_drafts_gives_each_its_plain_an
     _same_answers(alone, mixed)
     assert mixed[0].num_accepted_tokens + mixed[2].num_accepted_tokens > 0
     assert mixed[1].draft is None and mixed[3].draft is None
+
+
+@pytest.mark.slow
+def test_answers_drafted_from_their_manuals_earlier_answers_are_the_plain_ones(llms):
+    """A draft group's answers: each the plain answer with every logit bit for bit; a question
+    asked again takes most of its answer from the first one's drafts; another tenant's
+    request of the same group name drafts nothing from them."""
+    off, on = llms["bfloat16"]["off"], llms["bfloat16"]["prompt-lookup"]
+    eng = on.engine
+    params = SamplingParams(max_tokens=48)
+    prompts = _prompts(off, "tarx", QUOTING["tarx"] + OTHER["tarx"][:1])
+    plain = [_run(off, [ids], params)[0] for ids in prompts]
+
+    def ask(ids, namespace=b""):
+        req = eng.add_request(ids, params, keep_logits=True, draft_group="tarx",
+                              namespace=namespace)  # fmt: skip
+        while not req.finished:
+            eng.step()
+        eng.release(req)
+        return req
+
+    first = [ask(ids) for ids in prompts]
+    _same_answers(plain, first)
+    again = ask(prompts[0])
+    _same_answers(plain[:1], [again])
+    n = len(again.output_token_ids)
+    assert again.num_accepted_tokens >= n // 2 > first[0].num_accepted_tokens, (n, again.draft)
+    other = ask(prompts[0], namespace=b"tenant-b")
+    _same_answers(plain[:1], [other])
+    assert other.draft_group != again.draft_group
+    assert other.num_accepted_tokens < again.num_accepted_tokens
+    eng.kv_manager.check_integrity()
 
 
 @pytest.mark.slow

@@ -160,10 +160,13 @@ class LLMEngine:
         keep_logits: bool = False,
         arrival: float | None = None,
         speculate: bool = True,
+        draft_group: bytes | str | None = None,
     ) -> Request:
         """Queue a request. ``use_cache=False`` is cache "bypass": nothing is read from the
         prefix cache and nothing of this request is registered in it. ``speculate=False``: no
-        drafts for this request (its answer is the same either way). ``arrival`` (a
+        drafts for this request (its answer is the same either way). ``draft_group`` (a manual's
+        id, say): it also drafts from the earlier answers of its group in its namespace, and
+        its answer joins them. ``arrival`` (a
         ``time.perf_counter`` time) is when the request reached the front end, if earlier than
         now: its queue time and TTFT count from there. A ``request_id`` already in the engine
         is refused (ValueError)."""
@@ -199,6 +202,9 @@ class LLMEngine:
             keep_logits=keep_logits,
             speculate=speculate,
         )
+        if draft_group is not None:
+            group = draft_group.encode() if isinstance(draft_group, str) else draft_group
+            req.draft_group = namespace + b"\0" + group
         if arrival is not None:
             req.times.arrival = min(arrival, req.times.arrival)
         self.scheduler.add(req, reserved_blocks=self.pins.num_pinned_blocks)
@@ -401,6 +407,8 @@ class LLMEngine:
             reason = "length"
         if reason:
             self.scheduler.finish(req, reason)
+            if self.drafts is not None and req.draft_group is not None:
+                self.drafts.bank.add(req.draft_group, req.output_token_ids)
         return reason is not None
 
     # -- reporting ----------------------------------------------------------------------------

@@ -66,6 +66,9 @@ class Request:
     # drafting state once it decodes (``speculate.DraftState``: index, k, counts)
     speculate: bool = True
     draft: Any = None
+    # the requests whose answers this one may draft from (``speculate.AnswerBank``): one
+    # manual, or one part of one; None: its own prompt and answer only
+    draft_group: bytes | None = None
 
     @property
     def num_accepted_tokens(self) -> int:

@@ -17,6 +17,11 @@ millisecond at 8,000 tokens) and extended by each accepted token; a lookup hashe
 ``n`` tokens (a few microseconds). n-grams are keyed by a 64-bit polynomial hash: a
 collision proposes a wrong draft, which verification rejects, never a wrong answer.
 
+Where the request's own tokens hold no earlier occurrence, ``AnswerBank`` proposes what
+followed the n-gram in the earlier answers of the request's draft group (a manual, or a part
+of one, in one namespace): a question asked again, or answered in an earlier answer's words,
+drafts from those answers.
+
 ``DraftPolicy`` keeps speculation from losing. A drafted token is worth the chance that it
 is accepted: the request's recent acceptance rate (a drafted token held after its
 predecessor did; a new request starts from the engine's) to the power of its place in the
@@ -99,6 +104,14 @@ class NgramIndex:
                     table[_key(window[end - n - lo : end - lo])] = end
         self.length = length
 
+    def find(self, tail, n: int, length: int) -> int | None:
+        """The position after the most recent earlier occurrence of the last ``n`` tokens of
+        ``tail`` in the first ``length`` tokens; None where they did not occur."""
+        if len(tail) < n or n not in self.tables:
+            return None
+        follow = self.tables[n].get(_key(tail[len(tail) - n :]))
+        return follow if follow is not None and follow < length else None
+
     def propose(self, seq, length: int, k: int) -> list[int]:
         """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest
         n-gram ending the sequence (``length`` tokens, ``seq`` as in ``extend``); [] where
@@ -107,10 +120,77 @@ class NgramIndex:
             return []
         tail = seq(max(0, length - self.max_n), length)
         for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
-            follow = self.tables[n].get(_key(tail[len(tail) - n :]))
-            if follow is not None and follow < length:
+            follow = self.find(tail, n, length)
+            if follow is not None:
                 return seq(follow, min(follow + k, length))
         return []
+
+
+SEPARATOR = 1 << 40  # between answers in an AnswerBank's sequence (no vocabulary's token id)
+
+
+class AnswerBank:
+    """Recent answers of each draft group (a manual, or one part of one), indexed as one
+    sequence per group: a request of the group drafts from what its earlier answers said
+    after the tokens the request just produced. Questions about one manual are answered in
+    the manual's phrases and in the model's own recurring ones, and a question asked again
+    is answered the same way, so an answer's next tokens often followed the same words in an
+    earlier answer. At most ``tokens_per_group`` tokens a group (the older half dropped when
+    full) and ``max_groups`` groups (the least recently used dropped)."""
+
+    def __init__(self, min_n: int, max_n: int, tokens_per_group: int = 8192, max_groups: int = 64):
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens_per_group, self.max_groups = tokens_per_group, max_groups
+        self._groups: dict[bytes, tuple[NgramIndex, list[int]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def clear(self) -> None:
+        self._groups.clear()
+
+    def get(self, group: bytes | None) -> tuple[NgramIndex, list[int]] | None:
+        """The group's index and tokens (the group becomes the most recently used)."""
+        if group is None:
+            return None
+        found = self._groups.pop(group, None)
+        if found is not None:
+            self._groups[group] = found
+        return found
+
+    def add(self, group: bytes | None, answer: list[int]) -> None:
+        """An answer of ``group`` (its output tokens) to draft from."""
+        if group is None or len(answer) < 2:
+            return
+        found = self.get(group)
+        keep = self.tokens_per_group // 2
+        if found is None:
+            found = self._groups[group] = (NgramIndex(self.min_n, self.max_n), [])
+            while len(self._groups) > self.max_groups:
+                del self._groups[next(iter(self._groups))]
+        idx, toks = found
+        if len(toks) + len(answer) + 1 > self.tokens_per_group:  # keep the newer answers
+            old = toks[-keep:]
+            old = old[old.index(SEPARATOR) + 1 :] if SEPARATOR in old else []
+            idx = NgramIndex(self.min_n, self.max_n)
+            toks = old
+            idx.build(toks)
+            self._groups[group] = (idx, toks)
+        toks.extend([*answer[-keep:], SEPARATOR])
+        idx.extend(lambda a, b: toks[a:b], len(toks))
+
+    def propose(self, group: bytes | None, tail, n: int, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the most recent occurrence of the last ``n`` tokens
+        of ``tail`` in the group's answers (to the end of that answer); [] where none."""
+        found = self.get(group)
+        if found is None:
+            return []
+        idx, toks = found
+        follow = idx.find(tail, n, len(toks))
+        if follow is None:
+            return []
+        draft = toks[follow : follow + k]
+        return draft[: draft.index(SEPARATOR)] if SEPARATOR in draft else draft
 
 
 @dataclass(frozen=True)
@@ -218,6 +298,7 @@ class DraftPolicy:
     def __init__(self, config: SpeculationConfig, cost: StepCost | None = None):
         self.config = config
         self.cost = cost or StepCost()
+        self.bank = AnswerBank(config.min_ngram, config.max_ngram)
         self.hits = 1.0  # the engine's acceptance (decayed), every request's prior
         self.trials = 2.0
 
@@ -234,7 +315,9 @@ class DraftPolicy:
         return (st.hits + prior * engine) / (st.trials + prior)
 
     def propose(self, req, room: int) -> list[int]:
-        """Up to ``room`` tokens the request's index proposes after its tokens."""
+        """Up to ``room`` tokens after the request's tokens: what followed the most recent
+        earlier occurrence of the longest n-gram ending them, in its own prompt and answer or,
+        where it has a draft group, in the group's earlier answers (its own first, n for n)."""
         if room <= 0:
             return []
         idx = self.state(req).index
@@ -242,7 +325,19 @@ class DraftPolicy:
             idx.build(req.prompt_token_ids)
         length = req.num_tokens
         idx.extend(req.token_ids, length)
-        return idx.propose(req.token_ids, length, room)
+        if length < idx.min_n + 1:
+            return []
+        tail = req.token_ids(max(0, length - idx.max_n), length)
+        group = req.draft_group if len(self.bank) else None
+        for n in range(min(idx.max_n, len(tail)), idx.min_n - 1, -1):
+            follow = idx.find(tail, n, length)
+            if follow is not None:
+                return req.token_ids(follow, min(follow + room, length))
+            if group is not None:
+                draft = self.bank.propose(group, tail, n, room)
+                if draft:
+                    return draft
+        return []
 
     def plan(self, proposals: dict, num_rows: int, max_rows: int) -> dict:
         """The drafts a step carries: of the proposals (request -> tokens), for a step of
