@@ -17,6 +17,7 @@ from inference.engine.speculate import (
     NgramIndex,
     SpeculationConfig,
     StepCost,
+    StepOutcomes,
 )
 from prompts import PromptBuilder
 
@@ -139,6 +140,43 @@ def test_the_policy_drafts_where_rows_are_cheap_and_only_likely_tokens_under_loa
     assert (st.drafted, st.accepted, st.rejected, st.steps) == (18, 0, 18, 6)
     with pytest.raises(ValueError):
         SpeculationConfig(max_step_rows=1)
+
+
+def test_a_batch_size_where_drafting_measured_slower_drafts_only_now_and_then():
+    out = StepOutcomes()
+    assert [out.bucket(n) for n in (1, 2, 3, 4, 15, 16)] == [0, 1, 1, 2, 3, 4]
+    # 16 requests: steps with drafts give 500 tokens/s, steps without 800
+    allowed = 0
+    for _ in range(200):
+        if out.may_draft(16):
+            allowed += 1
+            out.observe(16, True, 20, 0.040)
+        else:
+            out.observe(16, False, 16, 0.020)
+    assert out.losing(16) and not out.losing(2)
+    assert 8 <= allowed <= 8 + 200 // out.RETRY + 1, allowed  # learning, then the retries
+    # the retries see drafting pay again: it is taken up again
+    for _ in range(out.RETRY + 1):
+        out.observe(16, False, 16, 0.020)
+    assert out.may_draft(16)
+    for _ in range(8):
+        out.observe(16, True, 40, 0.030)
+    assert not out.losing(16)
+    # 2 requests, drafting well ahead: a step without drafts every PLAIN_EVERY_WINNING steps
+    plain = 0
+    for _ in range(200):
+        if out.may_draft(2):
+            out.observe(2, True, 6, 0.012)
+        else:
+            plain += 1
+            out.observe(2, False, 2, 0.012)
+    assert 200 // (out.PLAIN_EVERY_WINNING + 1) <= plain <= 8 + 200 // out.PLAIN_EVERY
+    assert not out.losing(2)
+    # one request alone always may: its drafts are priced by its own timed rows
+    for _ in range(20):
+        out.observe(1, True, 1, 0.1)
+        out.observe(1, False, 1, 0.01)
+    assert out.may_draft(1)
 
 
 def test_step_costs_follow_the_engines_own_steps_and_learn_what_drafted_rows_add():

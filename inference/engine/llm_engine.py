@@ -264,6 +264,7 @@ class LLMEngine:
         self.last_step = None
         if self.tier_io is not None:
             self.tier_io.install_ready()
+        t0, produced = time.perf_counter(), self.generation_tokens
         sched = self.scheduler.schedule(reserved_blocks=self.pins.num_pinned_blocks)
         if not sched.chunks:
             if self.tier_io is not None:
@@ -275,7 +276,16 @@ class LLMEngine:
             log.exception("a step of %d requests failed", len(sched.chunks))
             return [*sched.failed, *(self._fail(c.request, e) for c in sched.chunks)]
         self._record_computed(sched, out.model_s)
-        return [*sched.failed, *self._append_tokens(sched, out)]
+        finished = self._append_tokens(sched, out)
+        if self.drafts is not None and sched.num_decode_tokens == sched.num_tokens:
+            # a step of decodes and verifications: what drafting did at this batch size
+            self.drafts.outcomes.observe(
+                len(sched.chunks),
+                any(c.draft for c in sched.chunks),
+                self.generation_tokens - produced,
+                time.perf_counter() - t0,
+            )
+        return [*sched.failed, *finished]
 
     def _fail(self, req: Request, cause: Exception) -> Request:
         """Finish a request with an error (its blocks freed); returns it."""

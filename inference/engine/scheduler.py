@@ -256,6 +256,8 @@ class Scheduler:
         if self.drafts is None:
             return {}
         decoding = [r for r in self.running if _decoding(r)]
+        if not decoding or not self.drafts.outcomes.may_draft(len(decoding)):
+            return {}
         cfg = self.drafts.config
         proposals = {}
         for req in decoding:

@@ -291,6 +291,65 @@ class DraftState:
         return self.drafted - self.accepted
 
 
+class StepOutcomes:
+    """What drafting did for the steps of each batch size, measured: per bucket of decoding
+    requests (2-3, 4-7, 8-15, ...; one request alone is priced by the rows timed at start,
+    which are its own), the tokens per second of steps with drafts and of steps
+    without (moving averages of tokens over wall seconds, decode and verification steps
+    only). Where drafting measures slower than not drafting, steps of that size draft only
+    now and then (every ``RETRY``-th), to see whether it pays again; where it pays or is not
+    yet measured, a step without drafts is forced when none ran for ``PLAIN_EVERY`` steps
+    (``PLAIN_EVERY_WINNING`` where drafting is well ahead; every other step until
+    ``SEEN`` plain steps were seen), so that the comparison stays current. The cost model
+    chooses the drafts; this keeps its errors from making speculation lose."""
+
+    PLAIN_EVERY = 16  # steps of a bucket with drafts at most between two without
+    PLAIN_EVERY_WINNING = 64  # the same where drafting measured a quarter faster or more
+    RETRY = 16  # steps of a losing bucket between two with drafts
+    SEEN = 8  # steps of each kind before their rates are compared
+    RATE = 0.2  # the averages' weight of a new step
+
+    def __init__(self):
+        # bucket -> [drafted rate, its steps, plain rate, its steps, steps since drafted,
+        #            steps since plain]
+        self.buckets: dict[int, list] = {}
+
+    @staticmethod
+    def bucket(seqs: int) -> int:
+        return max(seqs, 1).bit_length() - 1
+
+    def _row(self, seqs: int) -> list:
+        return self.buckets.setdefault(self.bucket(seqs), [0.0, 0, 0.0, 0, 0, 0])
+
+    def losing(self, seqs: int) -> bool:
+        """Whether drafting measured slower than not drafting at this batch size."""
+        r = self._row(seqs)
+        return r[1] >= self.SEEN and r[3] >= self.SEEN and r[0] < r[2]
+
+    def may_draft(self, seqs: int) -> bool:
+        """Whether a step of ``seqs`` decoding requests may carry drafts."""
+        if seqs < 2:  # one request: the rows timed at start price its drafts as they are
+            return True
+        r = self._row(seqs)
+        if r[3] < self.SEEN:  # learning the plain rate: every other step without drafts
+            return r[5] == 0
+        if self.losing(seqs):
+            return r[4] >= self.RETRY
+        winning = r[1] >= self.SEEN and r[3] >= self.SEEN and r[0] >= 1.25 * r[2]
+        return r[5] < (self.PLAIN_EVERY_WINNING if winning else self.PLAIN_EVERY)
+
+    def observe(self, seqs: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A decode or verification step of ``seqs`` requests that produced ``tokens``."""
+        if seconds <= 0:
+            return
+        r, rate = self._row(seqs), tokens / seconds
+        i = 0 if drafted else 2
+        r[i] = rate if r[i + 1] == 0 else r[i] + (rate - r[i]) * self.RATE
+        r[i + 1] += 1
+        r[4] = 0 if drafted else r[4] + 1
+        r[5] = 0 if not drafted else r[5] + 1
+
+
 class DraftPolicy:
     """Which requests draft and how much: the drafts that make a step's tokens per second
     highest (module docstring)."""
@@ -298,6 +357,7 @@ class DraftPolicy:
     def __init__(self, config: SpeculationConfig, cost: StepCost | None = None):
         self.config = config
         self.cost = cost or StepCost()
+        self.outcomes = StepOutcomes()
         self.bank = AnswerBank(config.min_ngram, config.max_ngram)
         self.hits = 1.0  # the engine's acceptance (decayed), every request's prior
         self.trials = 2.0
