@@ -10,8 +10,10 @@ caching."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
@@ -206,9 +208,9 @@ def test_load_then_a_replica_killed_mid_run(stack: Stack, pg_url):
     # bounds a broken affinity or claim would cross (round robin without claims computed 1.52
     # prefills a manual; one replica taking every manual serves 3x the mean), not the
     # benchmark's goals (1.1 and 1.3x): on two cores shared by three engines the split varies
-    # from run to run (seen here: 0.92-1.18 prefills, 1.16-1.41x busiest; bench/RESULTS.md)
+    # from run to run (seen here: 0.92-1.18 prefills, 1.06-1.53x busiest; bench/RESULTS.md)
     assert row["prefills_per_manual"] <= 1.3, row
-    assert len(row["answers_per_replica"]) == 3 and row["busiest_over_mean"] <= 1.6, row
+    assert len(row["answers_per_replica"]) == 3 and row["busiest_over_mean"] <= 2.0, row
     assert row["device_hit_share"] > 0.5, row
 
     fresh = scale_out.upload_manuals(stack.lb.url, 12, key="key-a")
@@ -219,7 +221,13 @@ def test_load_then_a_replica_killed_mid_run(stack: Stack, pg_url):
     # what failed was in flight on the killed replica, and failed as it died (the balancer's
     # 502, or the connection closed under the response as the replica's was), never a hang;
     # nothing sent after the kill failed (a connection refused is retried on another replica)
-    assert kill["failed_in_window"] == kill["failed_after_window"] == 0, kill
+    late = [
+        (round(r.start - run.at, 3), round(r.end - run.at, 3), r.status, r.kind, r.error[:200])
+        for r in failed
+        if r.start >= run.at
+    ]
+    why = (kill, late, _lb_errors(stack))
+    assert kill["failed_in_window"] == kill["failed_after_window"] == 0, why
     for r in failed:
         assert r.status == 502 or r.error.startswith("RemoteProtocolError"), r
         assert r.start < run.at and r.end - run.at < scale_out.DETECTION_S, r
@@ -232,6 +240,13 @@ def test_load_then_a_replica_killed_mid_run(stack: Stack, pg_url):
     # every turn acknowledged to a client is in Postgres
     acked = [r.answer_id for r in run.results if r.status == 200 and r.kind == "turn"]
     assert acked and _stored_message_ids(pg_url, acked) == set(acked)
+
+
+def _lb_errors(stack: Stack) -> list[str]:
+    """The balancer's log lines of requests that did not succeed (health checks left out)."""
+    log = Path(stack.lb.log_dir) / f"haproxy-{stack.lb.port}.log"
+    lines = log.read_text().splitlines() if log.is_file() else []
+    return [ln for ln in lines if "GET /ready" not in ln and not re.search(r" 20[01] \d+ ", ln)]
 
 
 def test_a_redis_master_killed_answers_continue(stack: Stack):
