@@ -138,7 +138,7 @@ class AnswerBank:
     earlier answer. At most ``tokens_per_group`` tokens a group (the older half dropped when
     full) and ``max_groups`` groups (the least recently used dropped)."""
 
-    def __init__(self, min_n: int, max_n: int, tokens_per_group: int = 8192, max_groups: int = 64):
+    def __init__(self, min_n: int, max_n: int, tokens_per_group: int = 4096, max_groups: int = 32):
         self.min_n, self.max_n = min_n, max_n
         self.tokens_per_group, self.max_groups = tokens_per_group, max_groups
         self._groups: dict[bytes, tuple[NgramIndex, list[int]]] = {}
