@@ -15,13 +15,12 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-import msgspec
-from sqlalchemy import case, func, select, update
+from sqlalchemy import case, select
 from sqlalchemy.exc import IntegrityError
 
 from app.answer import Answer, PartRef, PartScore, Timings, Usage
 from app.answer_events import AnswerDone, AnswerFailed, Event, IncrementalDecoder, TokenText
-from app.db import Conversation, Database, Manual, ManualPart, ManualPassage, Message
+from app.db import Database, Manual, ManualPart, ManualPassage, Message
 from app.db.models import new_id
 from app.engine_runner import Completion, EngineRunner, RequestHandle
 from app.errors import NotFound, ServiceError
@@ -35,6 +34,7 @@ from app.manual_parts import (
 )
 from app.parts import part_header
 from app.settings import MIN_QUESTION_ROOM, Settings
+from app.turn_store import record_ledger, store_turn
 from inference import SamplingParams
 from prompts import BuiltPrompt, PromptLayoutTooLong, Turn
 
@@ -368,33 +368,15 @@ class QAService:
         completion = await handle.final
         answer = self.answer(job, completion)
         if job.conversation_id is not None:
-            await self._store_turn(job, completion, answer)
+            await store_turn(self.db, self.runner.engine.tokenizer, job, completion, answer)
         elif job.manual_id is not None and answer.usage.completion_tokens:
             try:
                 async with self.db.transaction() as s:
-                    await self.record_ledger(s, job, answer)
+                    await record_ledger(s, job, answer)
             except Exception as e:  # the answer stands; only its ledger entry is lost
                 log.warning("the ledger of %s was not updated: %s", job.manual_id, e)
                 answer.warnings.append(f"this answer is not in the manual's ledger: {e}")
         return answer
-
-    @staticmethod
-    async def record_ledger(s, job: Job, answer: Answer) -> None:
-        """Add an answer to its manual's ledger (``Manual.answers`` and the rest), in the
-        session's transaction: one UPDATE of sums, so replicas sharing the database never lose
-        an answer to another's."""
-        u, t = answer.usage, answer.timings
-        await s.execute(
-            update(Manual)
-            .where(Manual.id == job.manual_id, Manual.tenant == job.tenant)
-            .values(
-                answers=Manual.answers + 1,
-                answered_prompt_tokens=Manual.answered_prompt_tokens + u.prompt_tokens,
-                cached_tokens=Manual.cached_tokens + u.cached_tokens,
-                cached_tokens_redis=Manual.cached_tokens_redis + u.cached_tokens_by_tier["redis"],
-                ttft_saved_ms=Manual.ttft_saved_ms + t.ttft_saved_ms,
-            )
-        )
 
     def answer(self, job: Job, c: Completion) -> Answer:
         tok = self.runner.engine.tokenizer
@@ -420,58 +402,6 @@ class QAService:
             part=job.part,
             part_scores=list(job.part_scores),
         )
-
-    async def _store_turn(self, job: Job, c: Completion, answer: Answer) -> None:
-        q_ids = self.runner.engine.tokenizer.encode(job.question.strip())
-        for attempt in range(5):
-            try:
-                async with self.db.transaction() as s:
-                    last = await s.scalar(
-                        select(func.max(Message.seq)).where(
-                            Message.conversation_id == job.conversation_id
-                        )
-                    )
-                    seq = (last if last is not None else -1) + 1
-                    s.add(
-                        Message(
-                            conversation_id=job.conversation_id,
-                            seq=seq,
-                            role="user",
-                            content=job.question,
-                            token_ids=q_ids,
-                        )
-                    )
-                    s.add(
-                        Message(
-                            id=job.request_id,
-                            conversation_id=job.conversation_id,
-                            seq=seq + 1,
-                            role="assistant",
-                            content=answer.answer,
-                            token_ids=c.output_token_ids,
-                            finish_reason=answer.finish_reason,
-                            usage=msgspec.to_builtins(answer.usage),
-                            timings=msgspec.to_builtins(answer.timings),
-                            warnings=list(answer.warnings),
-                            part=job.part.index if job.part is not None else None,
-                        )
-                    )
-                    if job.manual_id is not None and answer.usage.completion_tokens:
-                        await self.record_ledger(s, job, answer)
-                return
-            except IntegrityError as e:
-                # a concurrent turn took this seq, or the conversation was deleted meanwhile
-                async with self.db.session() as s:
-                    alive = await s.get(Conversation, job.conversation_id)
-                if alive is None:
-                    log.info("conversation %s was deleted; answer not stored", job.conversation_id)
-                    answer.warnings.append(
-                        "the conversation was deleted; this answer is not stored"
-                    )
-                    return
-                log.debug("retrying turn storage (%s): %s", attempt, e)
-                await asyncio.sleep(0.01 * (attempt + 1))
-        raise RuntimeError(f"could not store a turn of {job.conversation_id}")
 
     async def text_deltas(self, handle: RequestHandle) -> AsyncIterator[str]:
         """The answer's text as it grows, one non-empty delta per engine step."""

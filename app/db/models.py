@@ -40,7 +40,7 @@ class Manual(Base):
     tokenizer_fingerprint: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     # the ledger of what the cache saved answering about this manual, added to by every
-    # answer in the transaction that stores it (QAService.record_ledger)
+    # answer in the transaction that stores it (app.turn_store.record_ledger)
     answers: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     answered_prompt_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     cached_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
