@@ -32,7 +32,6 @@ Prints a table; ``--json`` writes the figures.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import platform
 import statistics
@@ -275,19 +274,19 @@ def main() -> int:
         )
 
     out["sets"] = {}
-    bank = on.engine.drafts.bank
+    policy = on.engine.drafts
     for name, questions in (("quoting", QUOTING), ("other", OTHER)):
         prompts, groups = _prompts(off, questions), _groups(questions)
         # batch 1: each question alone, alternating engines, the best of the repeats; each
         # repeat drafts from the answers of the questions before it (never its own)
-        bank.clear()
+        policy.bank.clear()
         alone: dict[str, list] = {"off": [], "prompt-lookup": []}
         for ids, g in zip(prompts, groups, strict=True):
-            before = copy.deepcopy(bank._groups)
+            before = policy.bank.copy()
             for mode in ("off", "prompt-lookup"):
                 runs = []
                 for _ in range(args.repeats):
-                    bank._groups = copy.deepcopy(before)
+                    policy.bank = before.copy()
                     runs.append(_run(llms[mode], [ids], args.max_tokens, [g])[0][0])
                 alone[mode].append(max(runs, key=lambda r: _decode_stats([r])["decode_tok_s"]))
         same1 = _same(alone["off"], alone["prompt-lookup"])
@@ -305,7 +304,7 @@ def main() -> int:
         for rep in range(args.client_repeats):
             batch = {}
             for mode in ("off", "prompt-lookup")[:: 1 if rep % 2 == 0 else -1]:
-                bank.clear()
+                policy.bank.clear()
                 batch[mode] = _run(llms[mode], prompts[:16], args.max_tokens, groups[:16])
             same16 = same16 and _same(batch["off"][0], batch["prompt-lookup"][0])
             rate = {

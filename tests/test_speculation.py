@@ -64,6 +64,12 @@ def test_the_index_built_at_once_equals_the_one_extended_token_by_token():
         NgramIndex(3, 2)
 
 
+def _propose(bank, group, tail, n, k):
+    """What ``group``'s answers propose after ``tail`` ([] for a group with none)."""
+    answers = bank.get(group)
+    return answers.propose(tail, n, k) if answers is not None else []
+
+
 def test_the_answer_bank_proposes_what_a_groups_earlier_answers_said_next():
     bank = AnswerBank(1, 3, tokens_per_group=16, max_groups=2)
     bank.add(b"a", [1, 2, 3, 4, 5])
@@ -71,16 +77,16 @@ def test_the_answer_bank_proposes_what_a_groups_earlier_answers_said_next():
     bank.add(b"b", [1, 2, 8])
     bank.add(b"a", [6])  # one token says nothing about what follows: not kept
     # the most recent occurrence of "2 3" in group a was followed by 9, then the answer ended
-    assert bank.propose(b"a", [0, 2, 3], 2, 5) == [9]
-    assert bank.propose(b"a", [4], 1, 5) == [5]  # a draft never crosses into the next answer
-    assert bank.propose(b"b", [0, 2, 3], 2, 5) == []  # groups are apart
-    assert bank.propose(b"b", [2], 1, 5) == [8]
-    assert bank.propose(None, [2], 1, 5) == [] and bank.propose(b"c", [2], 1, 5) == []
+    assert _propose(bank, b"a", [0, 2, 3], 2, 5) == [9]
+    assert _propose(bank, b"a", [4], 1, 5) == [5]  # a draft never crosses into the next answer
+    assert _propose(bank, b"b", [0, 2, 3], 2, 5) == []  # groups are apart
+    assert _propose(bank, b"b", [2], 1, 5) == [8]
+    assert _propose(bank, None, [2], 1, 5) == [] and _propose(bank, b"c", [2], 1, 5) == []
     # full: the older answers go, the newer stay (an answer's last half a group at most)
     bank.add(b"a", [10, 11, 12, 13, 14, 15, 16, 17, 18, 19])
-    idx, toks = bank.get(b"a")
+    toks = bank.get(b"a").tokens
     assert toks == [7, 2, 3, 9, SEPARATOR, 12, 13, 14, 15, 16, 17, 18, 19, SEPARATOR]
-    assert bank.propose(b"a", [4], 1, 5) == [] and bank.propose(b"a", [12], 1, 2) == [13, 14]
+    assert _propose(bank, b"a", [4], 1, 5) == [] and _propose(bank, b"a", [12], 1, 2) == [13, 14]
     bank.add(b"c", [1, 2])  # a third group: the least recently used (b) goes
     assert len(bank) == 2 and bank.get(b"b") is None
 

@@ -40,6 +40,10 @@ log = logging.getLogger("docqa.engine")
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|endoftext|>")
 
 
+def _bytes(key: bytes | str) -> bytes:
+    return key.encode() if isinstance(key, str) else key
+
+
 class StepFailure(DocqaError):
     """The engine failed a request (the forward pass of its step, or its own sampling or
     bookkeeping, raised); the request's blocks are freed and the engine keeps serving."""
@@ -201,10 +205,8 @@ class LLMEngine:
             seed=seed,
             keep_logits=keep_logits,
             speculate=speculate,
+            draft_group=None if draft_group is None else namespace + b"\0" + _bytes(draft_group),
         )
-        if draft_group is not None:
-            group = draft_group.encode() if isinstance(draft_group, str) else draft_group
-            req.draft_group = namespace + b"\0" + group
         if arrival is not None:
             req.times.arrival = min(arrival, req.times.arrival)
         self.scheduler.add(req, reserved_blocks=self.pins.num_pinned_blocks)

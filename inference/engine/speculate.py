@@ -129,6 +129,33 @@ class NgramIndex:
 SEPARATOR = 1 << 40  # between answers in an AnswerBank's sequence (no vocabulary's token id)
 
 
+class GroupAnswers:
+    """One draft group's recent answers as one sequence (answers separated by ``SEPARATOR``)
+    and its n-gram index."""
+
+    __slots__ = ("index", "tokens")
+
+    def __init__(self, min_n: int, max_n: int, tokens: list[int] | None = None):
+        self.index = NgramIndex(min_n, max_n)
+        self.tokens = tokens or []
+        if self.tokens:
+            self.index.build(self.tokens)
+
+    def append(self, answer: list[int]) -> None:
+        toks = self.tokens
+        toks.extend([*answer, SEPARATOR])
+        self.index.extend(lambda a, b: toks[a:b], len(toks))
+
+    def propose(self, tail, n: int, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the most recent occurrence of the last ``n`` tokens
+        of ``tail`` (to the end of that answer); [] where none."""
+        follow = self.index.find(tail, n, len(self.tokens))
+        if follow is None:
+            return []
+        draft = self.tokens[follow : follow + k]
+        return draft[: draft.index(SEPARATOR)] if SEPARATOR in draft else draft
+
+
 class AnswerBank:
     """Recent answers of each draft group (a manual, or one part of one), indexed as one
     sequence per group: a request of the group drafts from what its earlier answers said
@@ -141,7 +168,7 @@ class AnswerBank:
     def __init__(self, min_n: int, max_n: int, tokens_per_group: int = 4096, max_groups: int = 32):
         self.min_n, self.max_n = min_n, max_n
         self.tokens_per_group, self.max_groups = tokens_per_group, max_groups
-        self._groups: dict[bytes, tuple[NgramIndex, list[int]]] = {}
+        self._groups: dict[bytes, GroupAnswers] = {}
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -149,8 +176,15 @@ class AnswerBank:
     def clear(self) -> None:
         self._groups.clear()
 
-    def get(self, group: bytes | None) -> tuple[NgramIndex, list[int]] | None:
-        """The group's index and tokens (the group becomes the most recently used)."""
+    def copy(self) -> AnswerBank:
+        """An independent copy (a benchmark puts one back to replay a question)."""
+        other = AnswerBank(self.min_n, self.max_n, self.tokens_per_group, self.max_groups)
+        for group, answers in self._groups.items():
+            other._groups[group] = GroupAnswers(self.min_n, self.max_n, list(answers.tokens))
+        return other
+
+    def get(self, group: bytes | None) -> GroupAnswers | None:
+        """The group's answers (the group becomes the most recently used)."""
         if group is None:
             return None
         found = self._groups.pop(group, None)
@@ -165,32 +199,14 @@ class AnswerBank:
         found = self.get(group)
         keep = self.tokens_per_group // 2
         if found is None:
-            found = self._groups[group] = (NgramIndex(self.min_n, self.max_n), [])
+            found = self._groups[group] = GroupAnswers(self.min_n, self.max_n)
             while len(self._groups) > self.max_groups:
                 del self._groups[next(iter(self._groups))]
-        idx, toks = found
-        if len(toks) + len(answer) + 1 > self.tokens_per_group:  # keep the newer answers
-            old = toks[-keep:]
+        if len(found.tokens) + len(answer) + 1 > self.tokens_per_group:  # keep the newer
+            old = found.tokens[-keep:]
             old = old[old.index(SEPARATOR) + 1 :] if SEPARATOR in old else []
-            idx = NgramIndex(self.min_n, self.max_n)
-            toks = old
-            idx.build(toks)
-            self._groups[group] = (idx, toks)
-        toks.extend([*answer[-keep:], SEPARATOR])
-        idx.extend(lambda a, b: toks[a:b], len(toks))
-
-    def propose(self, group: bytes | None, tail, n: int, k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the most recent occurrence of the last ``n`` tokens
-        of ``tail`` in the group's answers (to the end of that answer); [] where none."""
-        found = self.get(group)
-        if found is None:
-            return []
-        idx, toks = found
-        follow = idx.find(tail, n, len(toks))
-        if follow is None:
-            return []
-        draft = toks[follow : follow + k]
-        return draft[: draft.index(SEPARATOR)] if SEPARATOR in draft else draft
+            found = self._groups[group] = GroupAnswers(self.min_n, self.max_n, old)
+        found.append(answer[-keep:])
 
 
 @dataclass(frozen=True)
@@ -310,44 +326,65 @@ class StepOutcomes:
     RATE = 0.2  # the averages' weight of a new step
 
     def __init__(self):
-        # bucket -> [drafted rate, its steps, plain rate, its steps, steps since drafted,
-        #            steps since plain]
-        self.buckets: dict[int, list] = {}
+        self.buckets: dict[int, _Bucket] = {}
 
     @staticmethod
     def bucket(seqs: int) -> int:
         return max(seqs, 1).bit_length() - 1
 
-    def _row(self, seqs: int) -> list:
-        return self.buckets.setdefault(self.bucket(seqs), [0.0, 0, 0.0, 0, 0, 0])
+    def _at(self, seqs: int) -> _Bucket:
+        return self.buckets.setdefault(self.bucket(seqs), _Bucket())
+
+    def _seen(self, b: _Bucket) -> bool:
+        return b.drafted_steps >= self.SEEN and b.plain_steps >= self.SEEN
 
     def losing(self, seqs: int) -> bool:
         """Whether drafting measured slower than not drafting at this batch size."""
-        r = self._row(seqs)
-        return r[1] >= self.SEEN and r[3] >= self.SEEN and r[0] < r[2]
+        b = self._at(seqs)
+        return self._seen(b) and b.drafted_rate < b.plain_rate
 
     def may_draft(self, seqs: int) -> bool:
         """Whether a step of ``seqs`` decoding requests may carry drafts."""
         if seqs < 2:  # one request: the rows timed at start price its drafts as they are
             return True
-        r = self._row(seqs)
-        if r[3] < self.SEEN:  # learning the plain rate: every other step without drafts
-            return r[5] == 0
+        b = self._at(seqs)
+        if b.plain_steps < self.SEEN:  # learning the plain rate: every other step plain
+            return b.since_plain == 0
         if self.losing(seqs):
-            return r[4] >= self.RETRY
-        winning = r[1] >= self.SEEN and r[3] >= self.SEEN and r[0] >= 1.25 * r[2]
-        return r[5] < (self.PLAIN_EVERY_WINNING if winning else self.PLAIN_EVERY)
+            return b.since_drafted >= self.RETRY
+        winning = self._seen(b) and b.drafted_rate >= 1.25 * b.plain_rate
+        return b.since_plain < (self.PLAIN_EVERY_WINNING if winning else self.PLAIN_EVERY)
 
     def observe(self, seqs: int, drafted: bool, tokens: int, seconds: float) -> None:
         """A decode or verification step of ``seqs`` requests that produced ``tokens``."""
         if seconds <= 0:
             return
-        r, rate = self._row(seqs), tokens / seconds
-        i = 0 if drafted else 2
-        r[i] = rate if r[i + 1] == 0 else r[i] + (rate - r[i]) * self.RATE
-        r[i + 1] += 1
-        r[4] = 0 if drafted else r[4] + 1
-        r[5] = 0 if not drafted else r[5] + 1
+        b, rate = self._at(seqs), tokens / seconds
+        if drafted:
+            b.drafted_rate = b.average(b.drafted_rate, b.drafted_steps, rate, self.RATE)
+            b.drafted_steps += 1
+            b.since_drafted, b.since_plain = 0, b.since_plain + 1
+        else:
+            b.plain_rate = b.average(b.plain_rate, b.plain_steps, rate, self.RATE)
+            b.plain_steps += 1
+            b.since_drafted, b.since_plain = b.since_drafted + 1, 0
+
+
+@dataclass
+class _Bucket:
+    """``StepOutcomes`` of one bucket of batch sizes: tokens per second of steps with drafts
+    and without (moving averages), their counts, and the steps since the last of each."""
+
+    drafted_rate: float = 0.0
+    drafted_steps: int = 0
+    plain_rate: float = 0.0
+    plain_steps: int = 0
+    since_drafted: int = 0
+    since_plain: int = 0
+
+    @staticmethod
+    def average(avg: float, n: int, value: float, weight: float) -> float:
+        return value if n == 0 else avg + (value - avg) * weight
 
 
 class DraftPolicy:
@@ -388,13 +425,13 @@ class DraftPolicy:
         if length < idx.min_n + 1:
             return []
         tail = req.token_ids(max(0, length - idx.max_n), length)
-        group = req.draft_group if len(self.bank) else None
+        answers = self.bank.get(req.draft_group)
         for n in range(min(idx.max_n, len(tail)), idx.min_n - 1, -1):
             follow = idx.find(tail, n, length)
             if follow is not None:
                 return req.token_ids(follow, min(follow + room, length))
-            if group is not None:
-                draft = self.bank.propose(group, tail, n, room)
+            if answers is not None:
+                draft = answers.propose(tail, n, room)
                 if draft:
                     return draft
         return []
