@@ -184,7 +184,7 @@ def part_rows(
             found = [
                 ManualPassage(
                     part_idx=x.part,
-                    heading=x.heading[:512],
+                    heading=f"{x.heading} / {x.within}"[:512] if x.within else x.heading,
                     term=x.term[:512],
                     content=text[x.start : x.end],
                 )

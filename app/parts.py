@@ -212,6 +212,7 @@ class Passage:
     term: str  # the term it defines or continues defining ("" for running text)
     start: int
     end: int
+    within: str = ""  # the definitions it is nested in ("set [-abef...]" around "-e")
 
 
 def _indent(line: str) -> int:
@@ -221,19 +222,32 @@ def _indent(line: str) -> int:
 _TERM_ON_LINE = re.compile(r"^\s*(\S{1,40})\s{2,}\S")
 
 
-def _term_line(line: str, following: str | None) -> str | None:
+def _term_line(line: str, following: str | None, previous: str | None = None) -> str | None:
     """The term ``line`` defines: a line of at most 80 characters with the next indented
     deeper (``HISTSIZE`` / ``-s, --silent`` over their descriptions), or an indented short word
-    followed by two spaces and its description (``PS1    The value of...``)."""
+    followed by two spaces and its description (``PS1    The value of...``); not a line that
+    goes on with the text of the line before (``below).  The options ...``: two spaces after
+    a sentence), unless a description follows it, indented deeper."""
     if not line.strip():
         return None
     m = _TERM_ON_LINE.match(line.expandtabs(8))
-    if m and _indent(line) > 0:
+    deeper = bool(following and following.strip() and _indent(following) > _indent(line))
+    if m and _indent(line) > 0 and (deeper or not _goes_on(line, previous)):
         return m.group(1)
-    deeper = following is not None and following.strip() and _indent(following) > _indent(line)
-    if deeper and len(line.strip()) <= 80:
+    if deeper and len(line.strip()) <= 80 and not _goes_on(line, previous):
         return line.strip()
     return None
+
+
+def _text_column(line: str) -> int:
+    """Where a line's running text starts: after the term of ``PS1    The value...``."""
+    m = _TERM_ON_LINE.match(line.expandtabs(8))
+    return m.end() - 1 if m and _indent(line) > 0 else _indent(line)
+
+
+def _goes_on(line: str, previous: str | None) -> bool:
+    """Whether ``line`` goes on with the text of the line before (at its text's column)."""
+    return bool(previous and previous.strip() and _text_column(previous) == _indent(line))
 
 
 def defined_term_of(paragraph: str) -> str | None:
@@ -253,7 +267,8 @@ def _definitions(
     for i, line in enumerate(lines):
         term = None
         if i or not heading:
-            term = _term_line(line, lines[i + 1] if i + 1 < len(lines) else None)
+            following = lines[i + 1] if i + 1 < len(lines) else None
+            term = _term_line(line, following, lines[i - 1] if i else None)
         if term is not None and (not out or at > out[-1][0]):
             if out:
                 out[-1] = (out[-1][0], at, out[-1][2], out[-1][3])
@@ -269,23 +284,27 @@ def passages(text: str, parts: Sequence[Part], max_chars: int = PASSAGE_CHARS) -
     start (a passage in an overlap belongs to the part before): its paragraphs, cut before
     each definition (an option, a variable, a command, as a man page lays them out) and at
     most ``max_chars`` long. A passage has its section's heading, and the term it defines
-    where it is in a definition (the term line or indented under it)."""
+    where it is in a definition (the term line or indented under it), and the definitions
+    that one is nested in (an option of a builtin: the builtin's)."""
     out: list[Passage] = []
     heading = ""
-    term: tuple[str, int] | None = None
+    terms: list[tuple[str, int]] = []  # the definitions open here, outermost first
     starts = [p.overlap_start for p in parts]
     k = 0
     for a, b in _spans(text, _PARAGRAPHS, 0, len(text)):
         h = heading_of(text[a:b])
         if h:
-            heading, term = h, None
+            heading, terms = h, []
         for x0, y0, found, indent in _definitions(text, a, b, h is not None):
             first = text[x0:y0].strip("\n").split("\n", 1)[0]
+            # a definition ends where a line is back at its term's level or out of it
+            level = indent if found is not None else _indent(first)
+            while terms and level <= terms[-1][1]:
+                terms.pop()
             if found is not None:
-                term = (found, indent)
-            elif term is not None and _indent(first) <= term[1]:
-                term = None  # back at the term's level or out: the definition has ended
-            label = "" if term is None else term[0]
+                terms.append((found, indent))
+            label = terms[-1][0] if terms else ""
+            within = " / ".join(t for t, _ in terms[:-1])
             runs = [(x0, y0)]
             if y0 - x0 > max_chars:  # at line or sentence ends, then at most max_chars each
                 runs = []
@@ -303,5 +322,5 @@ def passages(text: str, parts: Sequence[Part], max_chars: int = PASSAGE_CHARS) -
                 while k + 1 < len(starts) and starts[k + 1] <= x:
                     k += 1
                 if text[x:y].strip():
-                    out.append(Passage(k, heading[:512], label[:512], x, y))
+                    out.append(Passage(k, heading[:512], label[:512], x, y, within[:512]))
     return out

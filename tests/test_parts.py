@@ -142,6 +142,45 @@ def test_passages_know_the_term_they_define(counting):
     assert defined_term_of("Running text is no definition.") is None
 
 
+NESTED = """SHELL BUILTIN COMMANDS
+       set [-ef] [arg ...]
+              Without options, display the variables.  The options are:
+              -e      Exit immediately if a command fails.  See also the description of
+                      trap under SHELL BUILTIN COMMANDS
+                      below).  The ERR trap is run first.
+              -f      Disable pathname expansion.
+              The options are off by default.
+
+       wait [id ...]
+              Wait for each child process.
+
+       HOME   The home directory of the current user; the default argument of the cd
+              command.  The value is also used in tilde expansion.
+"""
+
+
+def test_a_nested_definition_knows_what_it_is_in_and_a_sentence_is_no_term(counting):
+    count, cuts = counting
+    parts = split_manual(NESTED, count, 5000, 0, cuts)
+    found_in = passages(NESTED, parts)
+    found = {NESTED[x.start : x.end].split()[0]: (x.term, x.within) for x in found_in}
+    assert found["-e"] == ("-e", "set [-ef] [arg ...]")
+    assert found["-f"] == ("-f", "set [-ef] [arg ...]")  # "below).  The ERR" defines nothing
+    assert found["wait"] == ("wait [id ...]", "")  # set's definition has ended
+    lines = NESTED.split("\n")
+    below = next(i for i, line in enumerate(lines) if "below)." in line)
+    assert found["HOME"] == ("HOME", "")
+    assert {x.term for x in found_in} == {
+        "",
+        "set [-ef] [arg ...]",
+        "-e",
+        "-f",
+        "wait [id ...]",
+        "HOME",
+    }
+    assert defined_term_of(lines[below]) == "below)."  # alone, the line looks like one
+
+
 def test_passages_belong_to_the_part_that_brings_them(counting):
     count, cuts = counting
     text = _doc()

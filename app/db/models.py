@@ -120,6 +120,7 @@ class ManualPassage(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     manual_id: Mapped[str] = mapped_column(ForeignKey("manuals.id", ondelete="CASCADE"), index=True)
     part_idx: Mapped[int] = mapped_column(Integer)
-    heading: Mapped[str] = mapped_column(String(512))  # its section's
+    # its section's, and the definitions it is nested in ("SHELL BUILTIN COMMANDS / set ...")
+    heading: Mapped[str] = mapped_column(String(512))
     term: Mapped[str] = mapped_column(String(512))  # what it defines ("" for running text)
     content: Mapped[str] = mapped_column(Text)
