@@ -113,6 +113,18 @@ class _EngineCollector:
                 "instead of computing it too",
                 "tier_claim_waits",
             )
+            yield counter(
+                "docqa:redis_tier_claim_waits_expired",
+                "Waits on another replica's claim that ran out of time: the request computed "
+                "what was still missing itself",
+                "tier_claim_waits_expired",
+            )
+            yield counter(
+                "docqa:redis_tier_relooks",
+                "Lookups asked again before their request computed what the first did not find "
+                "(it had waited for admission since)",
+                "tier_relooks",
+            )
         yield gauge(
             "docqa:kv_cache_usage_perc",
             "Fraction of KV blocks referenced by running requests",

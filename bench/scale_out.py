@@ -12,11 +12,14 @@ random (a seeded draw), one-shot on ``/v1/manuals/{id}/ask`` and turns of a conv
 ``/v1/manuals/{id}/conversations/{cid}/messages`` in turn. Reported per balancing: the manual
 prefills computed cluster-wide per manual (an answer that computed its manual's whole prefix
 counts one; device and Redis hits count nothing), answers per replica and the busiest over the
-mean, the prompt tokens served from each tier, TTFT p50 and p90. The kill run reports the
-requests that failed (all in flight on the killed replica, or not), and for the manuals the
-killed replica had answered, their answers after the kill: how many found their prefix cached
-and the tokens read from Redis. Needs the Postgres at 127.0.0.1:5432 (a database of its own,
-dropped at the end), redis-server, redis-cli and haproxy. Writes JSON under bench/results/.
+mean, answers in flight per replica (averaged over the run: the load bounded loads compare) and
+the most over the mean, the prompt tokens served from each tier, TTFT p50 and p90, and the
+Redis tier's counters (writes dropped, lookups that ran out of time, waits on a claim). The
+kill run reports the requests that failed (all in flight on the killed replica, or not), and
+for the manuals the killed replica had answered, their answers after the kill: how many found
+their prefix cached and the tokens read from Redis. Needs the Postgres at 127.0.0.1:5432 (a
+database of its own, dropped at the end), redis-server, redis-cli and haproxy. Writes JSON
+under bench/results/.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import datetime as dt
 import json
 import platform
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -249,6 +253,55 @@ def prefills(results: list[Result], manuals: list[dict], block: int = 16) -> dic
     return out
 
 
+TIER_COUNTERS = (
+    "writes_dropped",
+    "lookups_abandoned",
+    "claim_waits",
+    "claim_waits_expired",
+    "relooks",
+    "errors",
+)
+
+
+def tier_counters(stack: Stack) -> dict[str, int]:
+    """The Redis tier's counters summed over the live replicas: writes dropped, lookups that
+    ran out of time (their request computed without a claim), waits on another's claim; a
+    manual computed twice shows in one of them."""
+    out = dict.fromkeys(TIER_COUNTERS, 0)
+    for s in stack.servers:
+        if s.proc is None or s.proc.poll() is not None:
+            continue
+        text = httpx.get(s.url + "/metrics", timeout=10).text
+        for name in TIER_COUNTERS:
+            m = re.search(rf"^docqa:redis_tier_{name}(?:_total)?(?:{{[^}}]*}})? (\S+)$", text, re.M)
+            out[name] += int(float(m.group(1))) if m else 0
+    return out
+
+
+def in_flight(results: list[Result]) -> dict[str, float]:
+    """Each replica's answers in flight, averaged over the run (from first start to last end):
+    the load the balancer's bounded loads compare, where answers served count an answer from
+    the replica's own pool the same as one loaded from Redis."""
+    events = sorted(
+        (t, d, r.replica)
+        for r in results
+        if r.status == 200
+        for t, d in ((r.start, 1), (r.end, -1))
+    )
+    if not events:
+        return {}
+    area: dict[str, float] = {}
+    now: dict[str, int] = {}
+    last = events[0][0]
+    for t, d, replica in events:
+        for k, n in now.items():
+            area[k] = area.get(k, 0.0) + n * (t - last)
+        last = t
+        now[replica] = now.get(replica, 0) + d
+    span = (events[-1][0] - events[0][0]) or 1.0
+    return {k: v / span for k, v in sorted(area.items())}
+
+
 def summarize(results: list[Result], manuals: list[dict]) -> dict:
     ok = [r for r in results if r.status == 200]
     per_manual = prefills(results, manuals)
@@ -260,6 +313,7 @@ def summarize(results: list[Result], manuals: list[dict]) -> dict:
     redis = sum(r.redis_tokens for r in ok)
     device = sum(r.cached_tokens for r in ok) - redis
     ttft = sorted(r.ttft_ms for r in ok)
+    flight = in_flight(results)
     return {
         "answers": len(ok),
         "failed": len(results) - len(ok),
@@ -267,6 +321,10 @@ def summarize(results: list[Result], manuals: list[dict]) -> dict:
         "prefills_per_manual_max": max(per_manual.values()),
         "answers_per_replica": sorted(counts, reverse=True),
         "busiest_over_mean": max(counts) / statistics.mean(counts) if counts else 0.0,
+        "in_flight_per_replica": sorted((round(v, 2) for v in flight.values()), reverse=True),
+        "most_in_flight_over_mean": (
+            max(flight.values()) / statistics.mean(flight.values()) if flight else 0.0
+        ),
         "device_hit_share": device / prompt,
         "redis_hit_share": redis / prompt,
         "ttft_p50_ms": ttft[len(ttft) // 2] if ttft else 0.0,
@@ -382,6 +440,7 @@ def main() -> int:
             results = Load(stack.lb.url, manuals, args.clients, args.questions).run()
             row = summarize(results, manuals)
             row["wall_s"] = time.monotonic() - t0
+            row["tier"] = tier_counters(stack)
             rows[balance] = row
             print(balance, json.dumps(row), flush=True)
             if balance == "consistent" and not args.no_kill:
@@ -395,13 +454,15 @@ def main() -> int:
             stack.stop()
             drop_pg_database(db)
     print("\n| balancing | answers | prefills per manual (max) | answers per replica | busiest / "
-          "mean | device hits | Redis hits | TTFT p50 ms | p90 ms |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+          "mean | in flight per replica | most / mean | device hits | Redis hits | TTFT p50 ms "
+          "| p90 ms |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for b, r in rows.items():
         print(
             f"| {b} | {r['answers']} ({r['failed']} failed) | {r['prefills_per_manual']:.2f} "
             f"({r['prefills_per_manual_max']:.2f}) | {r['answers_per_replica']} "
-            f"| {r['busiest_over_mean']:.2f} | {100 * r['device_hit_share']:.0f}% "
+            f"| {r['busiest_over_mean']:.2f} | {r['in_flight_per_replica']} "
+            f"| {r['most_in_flight_over_mean']:.2f} | {100 * r['device_hit_share']:.0f}% "
             f"| {100 * r['redis_hit_share']:.0f}% | {r['ttft_p50_ms']:.0f} "
             f"| {r['ttft_p90_ms']:.0f} |"
         )

@@ -99,6 +99,10 @@ class RedisTier(TierClaims):
         self.errors = 0
         self.lookups_abandoned = 0  # lookups a request stopped waiting for (slow Redis)
         self.claim_waits = 0  # lookups that waited for another replica computing the prefix
+        # waits on another replica's claim that ran out of time (claim_wait_s): the request
+        # computed what was still missing itself
+        self.claim_waits_expired = 0
+        self.relooks = 0  # lookups asked again before computing (their first answer was stale)
         self._loader = concurrent.futures.ThreadPoolExecutor(
             2, thread_name_prefix="docqa-tier-load"
         )
@@ -108,10 +112,16 @@ class RedisTier(TierClaims):
         self._health = threading.Thread(
             target=self._health_loop, name="docqa-tier-health", daemon=True
         )
+        self._held_claims: set[bytes] = set()  # this process's claims, renewed until released
+        self._stop = threading.Event()
+        self._renewer = threading.Thread(
+            target=self._renew_loop, name="docqa-tier-claims", daemon=True
+        )
         if not (self._connect() and self._ping()):
             self._degrade("not reachable at start")
         self._writer.start()
         self._health.start()
+        self._renewer.start()
 
     # -- state -----------------------------------------------------------------------------
     @property
@@ -407,6 +417,8 @@ class RedisTier(TierClaims):
             "errors": self.errors,
             "lookups_abandoned": self.lookups_abandoned,
             "claim_waits": self.claim_waits,
+            "claim_waits_expired": self.claim_waits_expired,
+            "relooks": self.relooks,
             "pending_bytes": self._pending_bytes,
         }
 
@@ -414,6 +426,7 @@ class RedisTier(TierClaims):
         with self._lock:
             self._closing = True
             self._lock.notify_all()
+        self._stop.set()
         self._writer.join(timeout)
         self._loader.shutdown(wait=False, cancel_futures=True)
         with contextlib.suppress(self._redis_errors):

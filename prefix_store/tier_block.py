@@ -38,6 +38,9 @@ class TierConfig:
     # up by ``claim_ttl_s`` at most)
     claim_wait_s: float = 30.0
     claim_ttl_s: float = 10.0
+    # a lookup answered longer ago than this is asked again before its request computes
+    # blocks it did not find (``TierIO.relook``)
+    relook_after_s: float = 1.0
 
     def __post_init__(self):
         if self.ttl_s < 1:

@@ -2,12 +2,15 @@
 across replicas.
 
 Replicas do not compute the same prefix at once: a lookup that finds the chain missing from
-some block on claims that block (``{prefix}claim:{hash}``, SET NX with a TTL, renewed while its
-request computes) before that request computes it; another replica's lookup that finds the
-claim taken, on that block or on one the holder has written already, waits, polling, until the
-holder releases it (after its request's prompt is computed and its blocks are written through)
-or it lapses, then loads what the holder wrote (``TierIO``). Claims of this process's own
-requests are left to the engine's scheduler, which never prefills a shared prefix twice.
+some block on claims that block (``{prefix}claim:{hash}``, SET NX with a TTL) before that
+request computes it; a thread of the process renews its claims every third of the TTL until
+they are released (not the engine's steps: a step of long prefills on a busy machine can take
+longer than the TTL, and a claim that lapsed under a live holder let another replica compute
+the same prefix again); another replica's lookup that finds the claim taken, on that block or
+on one the holder has written already, waits, polling, until the holder releases it (after its
+request's prompt is computed and its blocks are written through) or it lapses, then loads what
+the holder wrote (``TierIO``). Claims of this process's own requests are left to the engine's
+scheduler, which never prefills a shared prefix twice.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections.abc import Sequence
 
 class TierClaims:
     """The claim operations of ``RedisTier`` (a part of it: they use its client, its loader
-    thread, its owner id, its write queue and its ``_fetch``)."""
+    thread, its owner id, its lock, its write queue, its held claims and its ``_fetch``)."""
 
     def lookup(self, block_hashes: Sequence[bytes], parent: bytes) -> concurrent.futures.Future:
         """``fetch``, then, where the chain stops short, a claim on its first missing block:
@@ -45,6 +48,8 @@ class TierClaims:
                 return found, None, held
             key = self._claim_prefix + missing.hex().encode()
             if self._client.set(key, self.owner, nx=True, px=ttl_ms):
+                with self._lock:
+                    self._held_claims.add(missing)
                 return found, missing, None
             holder = self._client.get(key)
         except self._redis_errors:
@@ -79,11 +84,13 @@ class TierClaims:
 
     def release(self, block_hash: bytes) -> None:
         """Release this process's claim on ``block_hash`` once the writes queued before are in
-        Redis (so a process waiting on it finds the blocks)."""
+        Redis (so a process waiting on it finds the blocks); renewed until then."""
         with self._lock:
             if self._up:
                 self._queue.append((block_hash, None))
                 self._lock.notify()
+            else:  # Redis is away: the claim lapses
+                self._held_claims.discard(block_hash)
 
     _RENEW = (
         "if redis.call('get', KEYS[1]) == ARGV[1] then "
@@ -91,21 +98,29 @@ class TierClaims:
     )
 
     def renew(self, block_hashes: Sequence[bytes]) -> None:
-        """Renew this process's claims on ``block_hashes`` for ``claim_ttl_s`` more (on the
-        loader thread; a failure only lets a claim lapse)."""
+        """Renew this process's claims on ``block_hashes`` for ``claim_ttl_s`` more (a
+        failure only lets a claim lapse)."""
         if not block_hashes or not self._up or self._closing:
             return
         ttl_ms = int(self.config.claim_ttl_s * 1000)
+        for h in block_hashes:
+            key = self._claim_prefix + h.hex().encode()
+            try:
+                self._client.eval(self._RENEW, 1, key, self.owner, ttl_ms)
+            except self._redis_errors:
+                return
 
-        def renew() -> None:
-            for h in block_hashes:
-                key = self._claim_prefix + h.hex().encode()
-                try:
-                    self._client.eval(self._RENEW, 1, key, self.owner, ttl_ms)
-                except self._redis_errors:
-                    return
+    def _renew_loop(self) -> None:
+        """Renew the claims this process holds, every third of their TTL, until it closes."""
+        while not self._stop.wait(self.config.claim_ttl_s / 3):
+            with self._lock:
+                held = list(self._held_claims)
+            self.renew(held)
 
-        self._loader.submit(renew)
+    @property
+    def held_claims(self) -> int:
+        with self._lock:
+            return len(self._held_claims)
 
     _RELEASE = (
         "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end "
@@ -113,5 +128,7 @@ class TierClaims:
     )
 
     def _release_claim(self, block_hash: bytes) -> None:
+        with self._lock:
+            self._held_claims.discard(block_hash)
         key = self._claim_prefix + block_hash.hex().encode()
         self._client.eval(self._RELEASE, 1, key, self.owner)

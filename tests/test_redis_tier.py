@@ -164,24 +164,107 @@ def test_a_prefix_another_engine_is_computing_is_waited_for_not_computed_twice(
         b.close()
 
 
-def test_a_claim_lives_while_renewed_and_lapses_after(prefix):
+def test_a_lookup_gone_stale_in_the_queue_is_asked_again_before_computing(
+    default_model_dir, prefix
+):
+    """B's lookup for a cold prompt finds nothing (B claims it) while B's only slot is busy;
+    A, not waiting on B, computes the prompt and writes it through. When B admits the prompt,
+    its lookup's answer is stale: B looks again, loads what A wrote, and computes only the
+    rest, answering as A did."""
+    b = _engine(
+        default_model_dir,
+        prefix,
+        max_num_seqs=1,
+        calibrate_prefill_cost=False,
+        tier={"relook_after_s": 0.2},
+    )
+    a = _engine(
+        default_model_dir, prefix, calibrate_prefill_cost=False, tier={"claim_wait_s": 0.05}
+    )
+    try:
+        builder = PromptBuilder(b.tokenizer)
+        busy = b.add_request(
+            builder.build(MANUAL, QUESTIONS[0]).token_ids, SamplingParams(max_tokens=400)
+        )
+        deadline = time.monotonic() + 60
+        while busy.num_computed_tokens == 0:
+            assert time.monotonic() < deadline
+            b.step()
+        ids = builder.build(MANUAL.upper(), QUESTIONS[2]).token_ids
+        rb = b.add_request(ids, SamplingParams(max_tokens=8))
+        while rb.tier_answered_at is None:  # nothing in Redis: B claims it, and waits its turn
+            assert time.monotonic() < deadline
+            b.step()
+        assert rb.tier_claim is not None and rb.num_tier_cached_tokens == 0
+        ra = _run(a, ids, max_tokens=8)  # A gave up waiting on B's claim and computed it
+        assert a.tier.flush().result(30) and a.tier.claim_waits_expired == 1
+        time.sleep(0.3)
+        computed = b.prompt_tokens_computed
+        b.abort(busy.request_id)
+        while not rb.finished:
+            assert time.monotonic() < deadline
+            b.step()
+        assert b.tier.relooks == 1
+        # the instructions' blocks were in B's pool already; the rest came from Redis
+        assert rb.num_cached_tokens >= len(ids) - 2 * 16, (rb.num_cached_tokens, len(ids))
+        assert rb.num_tier_cached_tokens >= 0.9 * len(ids)
+        assert b.prompt_tokens_computed - computed <= 2 * 16
+        assert rb.output_token_ids == ra.output_token_ids and rb.tier_claim is None
+        b.release(rb)
+        b.kv_manager.check_integrity()
+        assert list(redis_client().scan_iter(match=prefix + "claim:*")) == []
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_claim_held_past_the_wait_limit_is_computed_and_counted(default_model_dir, prefix):
+    """Another replica holds the prompt's claim and keeps it (its request stuck in a long
+    queue): the engine waits ``claim_wait_s``, then computes the prompt itself, and counts
+    the wait as expired."""
+    from prefix_store.redis_tier import RedisTier
+
+    eng = _engine(default_model_dir, prefix, tier={"claim_wait_s": 0.5})
+    try:
+        ids = PromptBuilder(eng.tokenizer).build(MANUAL, QUESTIONS[1]).token_ids
+        holder = RedisTier(eng.tier.config, b"h" * 16, 16, 64)
+        try:
+            hasher = eng.kv_manager.hasher(b"")
+            hashes = hasher.chain(ids)
+            _, claimed, _ = holder.lookup(hashes[:4], hasher.root).result(10)
+            assert claimed == hashes[0]  # and its process keeps it, renewing
+            req = _run(eng, ids)
+        finally:
+            holder.close()
+        assert eng.tier.claim_waits == 1 and eng.tier.claim_waits_expired == 1
+        assert req.num_cached_tokens == 0 and req.error is None
+        eng.kv_manager.check_integrity()
+    finally:
+        eng.close()
+
+
+def test_a_claim_lives_while_its_holder_does_and_lapses_after(prefix):
+    """A process renews its claims on a thread of its own (whatever its engine is doing) until
+    it releases them; a holder that is gone stops renewing and its claim lapses."""
     from prefix_store.redis_tier import RedisTier
 
     cfg = TierConfig(url=REDIS_URL, prefix=prefix, claim_ttl_s=0.6)
     holder = RedisTier(cfg, b"f" * 16, 16, 64)
     other = RedisTier(cfg, b"f" * 16, 16, 64)
     try:
-        h = b"\x01" * 16
+        h, g = b"\x01" * 16, b"\x02" * 16
         found, claimed, busy = holder.lookup([h], b"\x00" * 16).result(10)
         assert (found, claimed, busy) == ([], h, None)
+        assert holder.lookup([g], b"\x00" * 16).result(10) == ([], g, None)
         assert other.lookup([h], b"\x00" * 16).result(10) == ([], None, h)
-        for _ in range(4):  # 1.2 s, twice the claim's life, renewed every 0.3 s
-            time.sleep(0.3)
-            holder.renew([h])
-        time.sleep(0.1)
-        assert other.claim_held(h).result(10)
+        time.sleep(1.5)  # two and a half times the claims' life, nobody renewing by hand
+        assert other.claim_held(h).result(10) and other.claim_held(g).result(10)
+        holder.release(g)  # released: no longer renewed, and gone at once
+        assert holder.flush().result(10)
+        assert not other.claim_held(g).result(10) and holder.held_claims == 1
+        holder.close()  # the holder is gone: its claim lapses
         deadline = time.monotonic() + 10
-        while other.claim_held(h).result(10):  # no longer renewed: it lapses
+        while other.claim_held(h).result(10):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         other.renew([h])  # another process's renewal takes nothing

@@ -163,18 +163,19 @@ def test_a_cancel_reaches_the_replica_running_the_answer(stack: Stack):
     a, b = stack.servers[0], stack.servers[1]
     with _client(a.url) as ca, _client(b.url) as cb, _client(b.url, "key-b") as other_tenant:
         m = _upload(ca, "R-4")
-        body = {"question": "Describe it.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        # long enough to outlast a relay that finds nobody (1.5 s) at any decode speed
+        body = {"question": "Describe it.", "max_tokens": 1024, "ignore_eos": True, "stream": True}
         running = BackgroundStream(_client(a.url), f"/v1/manuals/{m['id']}/ask", body)
         assert running.started.wait(120)
         rid = running.request_id
-        # another tenant's cancel is not found anywhere; an unknown id neither
+        # another tenant's cancel is not found anywhere
         assert other_tenant.post(f"/v1/requests/{rid}/cancel").status_code == 404
-        assert cb.post("/v1/requests/msg_unknown/cancel").status_code == 404
         # the cancel reaches B, which relays it to A
         r = cb.post(f"/v1/manuals/{m['id']}/requests/{rid}/cancel")
         assert r.status_code == 200, r.text
         assert r.headers["x-docqa-replica"] == stack.ids[1]
-        assert r.json()["cancelled"] is True and r.json()["completion_tokens"] < 400
+        assert r.json()["cancelled"] is True and r.json()["completion_tokens"] < 1024
+        assert cb.post("/v1/requests/msg_unknown/cancel").status_code == 404  # an unknown id
         running.join(60)
         final = running.events[-1]
         assert final[0] == "answer"

@@ -96,6 +96,7 @@ class LLMEngine:
                 self.kv_spec.bytes_per_block,
             )
             self.tier_io = TierIO(tier, self.kv_manager, runner)
+            self.scheduler.relook = self.tier_io.relook
         self.cost_model = PrefillCostModel(config.max_num_batched_tokens)
         self.eos_token_ids = self._eos_token_ids()
         self.requests: dict[str, Request] = {}
@@ -268,6 +269,8 @@ class LLMEngine:
             self.tier_io.install_ready()
         t0, produced = time.perf_counter(), self.generation_tokens
         sched = self.scheduler.schedule(reserved_blocks=self.pins.num_pinned_blocks)
+        for req in sched.failed:  # refused at admission: it will not compute what it claimed
+            self._release_claim(req)
         if not sched.chunks:
             if self.tier_io is not None:
                 self.tier_io.wait(0.05)  # nothing to run: a lookup may finish meanwhile

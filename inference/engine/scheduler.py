@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -135,6 +135,9 @@ class Scheduler:
         self.num_prefix_hits_tier = 0  # of those, tokens loaded from the second tier
         self.num_prefix_hits_copied = 0  # of those, tokens copied into a fresh block
         self.num_deferred_admissions = 0  # waits for a prefix another request was computing
+        # the second tier's look again before a request computes what its lookup, answered
+        # long before, did not find (``TierIO.relook``: True while the new lookup runs)
+        self.relook: Callable[[Request, int], bool] | None = None
 
     def add(self, req: Request, reserved_blocks: int = 0) -> None:
         """Queue a request; RequestTooLargeError when its prompt plus its whole answer could
@@ -346,6 +349,8 @@ class Scheduler:
                         inflight = self._inflight_blocks()
                     if hashes[k] in inflight:
                         self.num_deferred_admissions += 1
+                        continue
+                    if self.relook is not None and self.relook(req, len(hashes) - k):
                         continue
             taken = self._allocate(req, cached, budget)
             if taken is None:

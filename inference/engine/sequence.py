@@ -61,6 +61,10 @@ class Request:
     # the block hash this request claimed in the second tier (it computes that prefix; other
     # replicas wait for it): released once its prompt is computed or it finishes
     tier_claim: bytes | None = None
+    # when its lookup last answered (perf_counter), and whether it has looked again since
+    # (``TierIO.relook``: an answer gone stale while it waited for admission)
+    tier_answered_at: float | None = None
+    tier_relooked: bool = False
     num_tier_cached_tokens: int = 0  # of num_cached_tokens, those loaded from the second tier
     # prompt-lookup speculation: whether this request drafts (when the engine does), and its
     # drafting state once it decodes (``speculate.DraftState``: index, k, counts)

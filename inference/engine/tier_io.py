@@ -7,13 +7,13 @@ or ``TierConfig.lookup_wait_s`` has passed. Where the chain stops short, the loo
 first missing block for this process (``RedisTier.lookup``): the request computes it and the
 claim is released once its prompt is computed. Where another replica holds the claim, the
 request waits, polling, until the claim is gone (its blocks written) or
-``TierConfig.claim_wait_s`` has passed (the holder renews its claim while it works, so a
-claim outlives ``claim_ttl_s`` only while its holder is alive), and loads what the other
-replica wrote: replicas never compute one prefix twice at once. Found blocks are copied into
-fresh blocks of the pool under a hold (``prefix_store.Hold``) that also keeps the local prefix
-from eviction, then indexed like computed blocks, so admission finds them as a cached prefix.
-Newly indexed blocks are read out of the pool on the engine thread (before they can be reused)
-and written on the tier's own thread. Redis I/O never runs on the step path.
+``TierConfig.claim_wait_s`` has passed (the holder's process renews its claims until it
+releases them, so a claim outlives ``claim_ttl_s`` only while its holder is alive), and loads
+what the other replica wrote: replicas never compute one prefix twice at once. Found blocks are
+copied into fresh blocks of the pool under a hold (``prefix_store.Hold``) that also keeps the
+local prefix from eviction, then indexed like computed blocks, so admission finds them as a
+cached prefix. Newly indexed blocks are read out of the pool on the engine thread (before they
+can be reused) and written on the tier's own thread. Redis I/O never runs on the step path.
 """
 
 from __future__ import annotations
@@ -40,14 +40,15 @@ class TierLookup:
     waited: bool = False  # a lookup after a wait on a claim: not waited on again
 
 
+RELOOK_MIN_BLOCKS = 4  # a question's own blocks are not worth a second lookup
+
+
 class TierIO:
     def __init__(self, tier: RedisTier, kv: KVCacheManager, runner):
         self.tier = tier
         self.kv = kv
         self.runner = runner  # reads and writes blocks' K/V (``ModelRunner.read_blocks``)
         self._pending: list[Request] = []  # requests whose lookup is in flight
-        self._claimants: dict[str, Request] = {}  # requests holding a claim, by id
-        self._renew_at = 0.0  # when to renew their claims next
 
     @property
     def up(self) -> bool:
@@ -84,11 +85,8 @@ class TierIO:
 
     def install_ready(self) -> None:
         """Install the blocks that finished lookups found, release the requests whose lookup
-        finished or ran out of time; poll the claims waited on, renew those held."""
+        finished or ran out of time; poll the claims waited on."""
         now = time.perf_counter()
-        if self._claimants and now >= self._renew_at:
-            self._renew_at = now + self.tier.config.claim_ttl_s / 3
-            self.tier.renew([r.tier_claim for r in self._claimants.values() if r.tier_claim])
         still: list[Request] = []
         for req in self._pending:
             lookup = req.tier_lookup
@@ -110,11 +108,13 @@ class TierIO:
             else:
                 found, claimed, busy = lookup.fetch.result()
                 req.tier_lookup = None
+                req.tier_answered_at = now
                 if found:
                     self._install(req, lookup.start_block, found)
                 if claimed is not None:
+                    if req.tier_claim is not None and req.tier_claim != claimed:
+                        self.tier.release(req.tier_claim)  # a lookup again claimed further on
                     req.tier_claim = claimed
-                    self._claimants[req.request_id] = req
                 elif busy is not None and not lookup.waited:
                     j = lookup.start_block + len(found)
                     deadline = now + self.tier.config.claim_wait_s
@@ -124,10 +124,28 @@ class TierIO:
                     still.append(req)
         self._pending = still
 
+    def relook(self, req: Request, uncached_blocks: int) -> bool:
+        """Before a request computes ``uncached_blocks`` full blocks of its prompt, on the word
+        of a lookup that answered more than ``TierConfig.relook_after_s`` ago (it waited for
+        admission since): look once more, as another replica may have written them since, or
+        this one computed and then evicted them. A claim it holds stays held (the new lookup
+        finds it its own) unless the new lookup claims a later block. True while the new
+        lookup runs (the request waits for it)."""
+        answered = req.tier_answered_at
+        if req.tier_relooked or answered is None or uncached_blocks < RELOOK_MIN_BLOCKS:
+            return False
+        if not self.up or time.perf_counter() - answered < self.tier.config.relook_after_s:
+            return False
+        req.tier_relooked = True
+        self.tier.relooks += 1
+        self.start_lookup(req)
+        return req.tier_lookup is not None
+
     def _still_claimed(self, lookup: TierLookup, now: float) -> bool:
         """Whether to keep waiting on another replica's claim: asked every 0.1 s until it is
         released or the wait's deadline passes."""
         if now > lookup.deadline:
+            self.tier.claim_waits_expired += 1
             return False
         if not lookup.fetch.done():
             return True
@@ -141,7 +159,6 @@ class TierIO:
     def release_claim(self, req: Request) -> None:
         """Release the request's claim (its prompt is computed, or it finished): after the
         writes queued so far, so a replica waiting on it finds the blocks."""
-        self._claimants.pop(req.request_id, None)
         if req.tier_claim is not None:
             self.tier.release(req.tier_claim)
             req.tier_claim = None
