@@ -113,6 +113,7 @@ class RedisTier(TierClaims):
             target=self._health_loop, name="docqa-tier-health", daemon=True
         )
         self._held_claims: set[bytes] = set()  # this process's claims, renewed until released
+        # the renewer's own wake-up: ``_lock``'s notify() wakes one waiter, the writer's
         self._stop = threading.Event()
         self._renewer = threading.Thread(
             target=self._renew_loop, name="docqa-tier-claims", daemon=True

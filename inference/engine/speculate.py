@@ -340,7 +340,9 @@ class StepOutcomes:
 
     def losing(self, seqs: int) -> bool:
         """Whether drafting measured slower than not drafting at this batch size."""
-        b = self._at(seqs)
+        return self._losing(self._at(seqs))
+
+    def _losing(self, b: _Bucket) -> bool:
         return self._seen(b) and b.drafted_rate < b.plain_rate
 
     def may_draft(self, seqs: int) -> bool:
@@ -350,7 +352,7 @@ class StepOutcomes:
         b = self._at(seqs)
         if b.plain_steps < self.SEEN:  # learning the plain rate: every other step plain
             return b.since_plain == 0
-        if self.losing(seqs):
+        if self._losing(b):
             return b.since_drafted >= self.RETRY
         winning = self._seen(b) and b.drafted_rate >= 1.25 * b.plain_rate
         return b.since_plain < (self.PLAIN_EVERY_WINNING if winning else self.PLAIN_EVERY)
