@@ -84,13 +84,14 @@ class TierClaims:
 
     def release(self, block_hash: bytes) -> None:
         """Release this process's claim on ``block_hash`` once the writes queued before are in
-        Redis (so a process waiting on it finds the blocks); renewed until then."""
+        Redis (so a process waiting on it finds the blocks). It is no longer renewed from now:
+        a release the write queue drops (Redis failing) leaves the claim to lapse, never to be
+        renewed for good."""
         with self._lock:
+            self._held_claims.discard(block_hash)
             if self._up:
                 self._queue.append((block_hash, None))
                 self._lock.notify()
-            else:  # Redis is away: the claim lapses
-                self._held_claims.discard(block_hash)
 
     _RENEW = (
         "if redis.call('get', KEYS[1]) == ARGV[1] then "
@@ -128,7 +129,5 @@ class TierClaims:
     )
 
     def _release_claim(self, block_hash: bytes) -> None:
-        with self._lock:
-            self._held_claims.discard(block_hash)
         key = self._claim_prefix + block_hash.hex().encode()
         self._client.eval(self._RELEASE, 1, key, self.owner)

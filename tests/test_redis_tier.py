@@ -274,6 +274,30 @@ def test_a_claim_lives_while_its_holder_does_and_lapses_after(prefix):
         other.close()
 
 
+def test_a_release_dropped_with_the_write_queue_is_not_renewed_for_good(prefix, tmp_path):
+    """Redis fails under a queued write with a release behind it: the failure drops the
+    queue, release included; the claim is no longer renewed, so it lapses instead of holding
+    the other replicas up for good once Redis is back."""
+    from prefix_store.redis_tier import RedisTier
+
+    server = RedisServer(tmp_path).start()
+    tier = RedisTier(TierConfig(url=server.url, prefix=prefix, claim_ttl_s=0.6), b"f" * 16, 16, 64)
+    try:
+        h = b"\x03" * 16
+        assert tier.lookup([h], b"\x00" * 16).result(10) == ([], h, None)
+        server.stop()
+        tier.write([TierBlock(b"\x04" * 16, b"\x00" * 16, tuple(range(16)), b"\x00" * 64)])
+        tier.release(h)
+        deadline = time.monotonic() + 10
+        while tier.status != "degraded":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert tier.held_claims == 0
+    finally:
+        tier.close()
+        server.stop()
+
+
 def test_memory_cap_trims_the_oldest_blocks(default_model_dir, prefix):
     # room for 20 blocks of this model (22.5 KiB per token, 16 tokens a block)
     eng = _engine(default_model_dir, prefix, tier={"max_bytes": 20 * 370_000})
