@@ -218,6 +218,29 @@ def test_a_lookup_gone_stale_in_the_queue_is_asked_again_before_computing(
         b.close()
 
 
+def test_a_request_refused_at_admission_releases_its_claim(default_model_dir, prefix):
+    """A cold prompt's lookup claims it; pins taken before its admission leave the pool too
+    small for it: it fails with a clear error and its claim is gone from Redis at once (other
+    replicas would otherwise wait on it for claim_wait_s)."""
+    eng = _engine(default_model_dir, prefix, gib=0.0275, calibrate_prefill_cost=False)
+    try:
+        builder = PromptBuilder(eng.tokenizer)
+        pinned = builder.build("The other pump has two modes. " * 36, QUESTIONS[0]).token_ids
+        _run(eng, pinned, max_tokens=1)
+        ids = builder.build(MANUAL.upper(), QUESTIONS[2]).token_ids
+        req = eng.add_request(ids, SamplingParams(max_tokens=8))
+        assert eng.pin("pinned", pinned) > 0
+        deadline = time.monotonic() + 30
+        while not req.finished:
+            assert time.monotonic() < deadline
+            eng.step()
+        assert "KV blocks" in str(req.error) and req.tier_claim is None
+        assert eng.tier.flush().result(30)
+        assert list(redis_client().scan_iter(match=prefix + "claim:*")) == []
+    finally:
+        eng.close()
+
+
 def test_a_claim_held_past_the_wait_limit_is_computed_and_counted(default_model_dir, prefix):
     """Another replica holds the prompt's claim and keeps it (its request stuck in a long
     queue): the engine waits ``claim_wait_s``, then computes the prompt itself, and counts
