@@ -75,20 +75,45 @@ def bm25(hits: dict[str, list[tuple[int, int, int]]], num_docs: int, avg_len: fl
     return scores
 
 
-_NAME = re.compile(r"[^\s,;:?!()\"'`]+")
+_NAME = re.compile(r"\$[?#@*!$0-9-]|[^\s,;:?!()\"'`]+")
+# "the wait builtin", "the IFS variable", "the option globstar": a plain word a question names
+# by what it is
+_KIND = r"(?:builtin|command|variable|option|parameter)s?"
+_CUED = (
+    re.compile(rf"([\w.-]+)\s+{_KIND}\b", re.IGNORECASE),
+    re.compile(rf"\bthe\s+{_KIND}\s+([\w.-]+)", re.IGNORECASE),
+)
 NAMED_BOOST = 2.0
 
 
 def named_in(question: str) -> set[str]:
     """The names a question spells out: words with a dash, a digit, a capital, ``_`` or ``$``
-    in them (``--cacert``, ``-e``, ``PS1``, ``HISTSIZE``), as it spells them. A plain lowercase
-    word is left out: ``set`` in "what does PS1 set?" is no name."""
+    in them (``--cacert``, ``-e``, ``PS1``, ``HISTSIZE``, ``$?``: the parameter ``?`` as
+    well), as it spells them, and a plain word it calls a builtin, command, variable, option
+    or parameter (``the wait builtin``). Another plain lowercase word is left out: ``set`` in
+    "what does PS1 set?" is no name."""
     out = set()
     for w in _NAME.findall(question):
         w = w.strip(".'")
-        if any(c.isupper() or c.isdigit() or c in "-_$" for c in w) and not w.istitle():
+        if w.startswith("$") and len(w) > 1:
+            out.add(w[1:])
+        spelled = any(c.isupper() or c.isdigit() or c in "_$" for c in w) and not w.istitle()
+        if spelled or (w.startswith("-") and len(w) > 1):
+            out.add(w)
+    for m in (m for cue in _CUED for m in cue.finditer(question)):
+        w = m.group(1).strip(".'")
+        if w.lower() not in _STOP_WORDS and not re.fullmatch(_KIND, w, re.IGNORECASE):
             out.add(w)
     return out
+
+
+_HYPHENATED = re.compile(r"(?<![\w-])[^\W\d_]+(?:-[^\W\d_]+)+\b")
+
+
+def compounds(query: str) -> list[str]:
+    """Each hyphenated word of ``query`` written as one (``read-only`` -> ``readonly``): a
+    manual names a thing by the compound a user spells with a hyphen (a builtin, an option)."""
+    return list(dict.fromkeys(w.replace("-", "") for w in _HYPHENATED.findall(query)))
 
 
 def defined_names(term: str) -> set[str]:
@@ -112,15 +137,17 @@ def part_scores(scores: dict[int, float], part_of: dict[int, int]) -> dict[int, 
 
 
 # Postgres: the passages of one manual that hold each lexeme of the query (to_tsvector's english
-# stems, stop words dropped), with its occurrences in the text, in the term the passage defines
-# (weight A) and in its section's heading (weight B), from the passages' tsvectors; the GIN
-# index finds those holding any of them
+# stems, stop words and one-letter lexemes dropped, as fts5_terms drops them: the e of "set -e"
+# is the named option's, not a word to search), with its occurrences in the text, in the term
+# the passage defines (weight A) and in its section's heading (weight B), from the passages'
+# tsvectors; the GIN index finds those holding any of them
 _PG_TERMS = text(
     """
     WITH q AS (
         SELECT array_agg(DISTINCT lexeme) AS lexemes,
                to_tsquery('simple', string_agg(DISTINCT quote_literal(lexeme), ' | ')) AS any_of
-        FROM unnest(to_tsvector('english', :query))
+        FROM unnest(to_tsvector('english', translate(:query, '<>', '  ')))
+        WHERE length(lexeme) > 1
     )
     SELECT u.lexeme, s.id, s.part_idx, s.term, length(s.content),
            (SELECT count(*) FROM unnest(u.weights) w WHERE w = 'D'),
@@ -150,7 +177,9 @@ _SQLITE_TERM = text(
 )
 # a word in the term a passage defines counts as TERM_WEIGHT times one in its text; in its
 # section's heading, HEADING_WEIGHT times (each counted once: whether it is there, not how
-# often, which ranked as well on bench/parts.py's questions and needs no pass over the text)
+# often, which ranked as well on bench/parts.py's questions and needs no pass over the text;
+# of its 64 questions a heading weight of 2 ranks 56 first on SQLite, 1 and 3 rank 55: "How
+# does history expansion work?" finds HISTORY EXPANSION before readline's history-expand-line)
 TERM_WEIGHT, HEADING_WEIGHT = 2, 1
 PASSAGES_PER_PART = 3
 
@@ -202,6 +231,7 @@ async def rank_parts(conn, manual_id: str, query: str) -> list[PartScore]:
     porter stems), ``bm25`` scores them, ``part_scores`` adds up each part's best."""
     hits: dict[str, list[tuple[int, int, int]]] = {}
     part_of: dict[int, int] = {}
+    query = " ".join([query, *compounds(query)])
 
     def weighted(tf: int, th: int, tt: int) -> int:
         return min(tf, 1) + HEADING_WEIGHT * min(th, 1) + TERM_WEIGHT * min(tt, 1)
@@ -235,7 +265,7 @@ async def rank_parts(conn, manual_id: str, query: str) -> list[PartScore]:
         )
     ).one()
     scores = bm25(hits, int(num), float(avg_len or 1.0))
-    named = named_in(query)
+    named = named_in(query) | set(compounds(query))
     for sid in scores:
         if named and named & defined_names(terms.get(sid, "")):
             scores[sid] *= 1 + NAMED_BOOST  # the definition of what the question names

@@ -235,19 +235,28 @@ def test_part_header_names_the_manual_and_position():
 
 
 def test_a_question_names_what_it_spells_like_a_name():
-    from app.manual_parts import defined_names, named_in
+    from app.manual_parts import compounds, defined_names, named_in
 
     assert named_in("What does --cacert do? And -e, PS1, $HOME or BASH_REMATCH?") == {
         "--cacert",
         "-e",
         "PS1",
         "$HOME",
+        "HOME",
         "BASH_REMATCH",
     }
-    # plain and capitalized words are no names; a hyphenated one counts (it may be an option's
-    # spelling, and a definition must name it exactly to gain)
-    assert named_in("What does the wait builtin do? Which read-only variable?") == {"read-only"}
+    # a plain word is a name where the question says what it is; a special parameter too
+    assert named_in("What does the wait builtin do? Is the option nullglob on?") == {
+        "wait",
+        "nullglob",
+    }
+    assert named_in("What does $? expand to?") == {"$?", "?"}
+    # other plain, capitalized and hyphenated words are no names
+    assert named_in("How do I make a variable read-only? Which User-Agent?") == set()
+    assert named_in("What is the IFS variable used for?") == {"IFS"}
     assert named_in("How do I set it?") == set()
+    # a hyphenated word is also looked for as one word, and as a name (readonly, noclobber)
+    assert compounds("Make it read-only, no-clobber, --max-time") == ["readonly", "noclobber"]
     assert defined_names("-L, --location") == {"-L", "--location"}
     assert defined_names("wait [-fn] [-p varname] [id ...]") == {"wait"}
     assert defined_names("HISTSIZE") == {"HISTSIZE"} and defined_names("") == set()

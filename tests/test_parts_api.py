@@ -106,6 +106,18 @@ def test_a_long_manual_is_answered_from_the_part_holding_the_answer(api):
     assert api.get(f"/v1/manuals/{m['id']}/parts", params={"question": "x"}).status_code == 404
 
 
+def test_a_placeholder_of_a_definition_is_a_word_to_search(api):
+    """``--slow <kilobaud>``: Postgres's text parser reads ``<kilobaud>`` as a markup tag and
+    indexes nothing of it unless told otherwise (migrations/versions/0004)."""
+    tail = "\n\nOPTIONS\n       --slow <kilobaud>\n\t      Sends at most this many bits.\n"
+    text = f"Revision {uuid.uuid4().hex}\n\n{TYPING}{tail}"
+    m = _upload(api, text)
+    question = "Which one is in kilobaud?"
+    ranked = api.get(f"/v1/manuals/{m['id']}/parts", params={"question": question}).json()
+    assert ranked["chosen"] in _holding(m, text, "--slow <kilobaud>"), ranked
+    assert api.delete(f"/v1/manuals/{m['id']}").status_code == 204
+
+
 def test_a_manual_that_fits_is_one_part_and_its_prompt_is_unchanged(api, tokenizer):
     from prompts import PromptBuilder
 

@@ -113,7 +113,7 @@ class ManualPart(Base):
 class ManualPassage(Base):
     """A paragraph of a manual stored as parts, with the part it belongs to and the section
     it is in: what full-text search ranks (a generated ``tsvector`` column with a GIN index on
-    Postgres, an FTS5 table kept by triggers on SQLite: migrations/versions/0003)."""
+    Postgres, an FTS5 table kept by triggers on SQLite: migrations/versions/0003 and 0004)."""
 
     __tablename__ = "manual_passages"
 
