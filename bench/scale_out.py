@@ -4,7 +4,7 @@ and a three-master Redis Cluster, all on loopback; the same load with round-robi
 beside it, and the consistent run again with one replica killed half way.
 
     .venv/bin/python bench/scale_out.py [--manuals 12] [--clients 16] [--questions 6]
-        [--balance consistent roundrobin] [--no-kill]
+        [--balance consistent roundrobin] [--no-kill] [--cpus-per-replica 0.66]
 
 The manuals are uploaded cold: the load's first questions about a manual are what computes it.
 The load: ``--clients`` clients, each asking ``--questions`` questions about manuals drawn at
@@ -19,15 +19,19 @@ kill run reports the requests that failed (all in flight on the killed replica, 
 for the manuals the killed replica had answered, their answers after the kill: how many found
 their prefix cached and the tokens read from Redis. Needs the Postgres at 127.0.0.1:5432 (a
 database of its own, dropped at the end), redis-server, redis-cli and haproxy. Writes JSON
-under bench/results/.
+under bench/results/. The replicas share this machine's cores unless ``--cpus-per-replica``
+holds each to a CPU quota of its own (cgroup v1, root), as replicas on machines of their own
+are: then an idle replica's time is not lent to a busy one.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import datetime as dt
 import json
+import os
 import platform
 import random
 import re
@@ -116,6 +120,42 @@ def start_stack(
     ids = [httpx.get(s.url + "/ready", timeout=10).json()["replica"] for s in servers]
     _wait_all_up(lb, len(servers))
     return Stack(redis, servers, lb, ids)
+
+
+class CpuQuotas:
+    """Each replica's process held to ``cpus`` cores (a cgroup v1 CPU quota of its own), as a
+    replica on a machine of its own is: without one, replicas sharing this machine's cores
+    lend each other the time an idle one leaves, and a replica answering its own manuals from
+    its pool runs on the others' share."""
+
+    ROOT = Path("/sys/fs/cgroup/cpu")
+
+    def __init__(self, pids: list[int], cpus: float):
+        if not (self.ROOT / "cgroup.procs").exists() or not os.access(self.ROOT, os.W_OK):
+            raise SystemExit(f"--cpus-per-replica: {self.ROOT} (cgroup v1 cpu) is not writable")
+        self.groups: list[Path] = []
+        for pid in pids:
+            group = self.ROOT / f"docqa-bench-{pid}"
+            group.mkdir(exist_ok=True)
+            period = int((group / "cpu.cfs_period_us").read_text())
+            (group / "cpu.cfs_quota_us").write_text(str(int(cpus * period)))
+            (group / "cgroup.procs").write_text(str(pid))
+            self.groups.append(group)
+
+    def throttled_s(self) -> list[float]:
+        """Seconds each replica waited for its quota."""
+        out = []
+        for group in self.groups:
+            stat = dict(line.split() for line in (group / "cpu.stat").read_text().splitlines())
+            out.append(round(int(stat.get("throttled_time", 0)) / 1e9, 1))
+        return out
+
+    def release(self) -> None:
+        for group in self.groups:
+            for pid in (group / "cgroup.procs").read_text().split():
+                with contextlib.suppress(OSError):  # gone
+                    (self.ROOT / "cgroup.procs").write_text(pid)
+            group.rmdir()
 
 
 def _wait_all_up(lb: HAProxy, replicas: int, timeout: float = 30.0) -> None:
@@ -426,6 +466,12 @@ def main() -> int:
     ap.add_argument("--questions", type=int, default=6, help="per client")
     ap.add_argument("--balance", nargs="+", default=["consistent", "roundrobin"])
     ap.add_argument("--no-kill", action="store_true", help="skip the run with a replica killed")
+    ap.add_argument(
+        "--cpus-per-replica",
+        type=float,
+        help="hold each replica to this many cores (a cgroup v1 CPU quota), as on machines of "
+        "their own (default: the replicas share this machine's cores)",
+    )
     ap.add_argument("--out", help="JSON path (default: bench/results/scale-out-DATE.json)")
     args = ap.parse_args()
     rows = {}
@@ -434,13 +480,19 @@ def main() -> int:
         db = create_pg_database()
         tmp = Path(tempfile.mkdtemp(prefix="docqa-scale-"))
         stack = start_stack(tmp, db, balance=None if balance == "consistent" else balance)
+        quotas = None
         try:
+            if args.cpus_per_replica:
+                quotas = CpuQuotas([s.proc.pid for s in stack.servers], args.cpus_per_replica)
             manuals = upload_manuals(stack.lb.url, args.manuals)
             t0 = time.monotonic()
             results = Load(stack.lb.url, manuals, args.clients, args.questions).run()
             row = summarize(results, manuals)
             row["wall_s"] = time.monotonic() - t0
             row["tier"] = tier_counters(stack)
+            if quotas is not None:
+                row["cpus_per_replica"] = args.cpus_per_replica
+                row["throttled_s"] = quotas.throttled_s()
             rows[balance] = row
             print(balance, json.dumps(row), flush=True)
             if balance == "consistent" and not args.no_kill:
@@ -451,6 +503,8 @@ def main() -> int:
                 kill = kill_summary(run)
                 print("kill", json.dumps(kill), flush=True)
         finally:
+            if quotas is not None:
+                quotas.release()
             stack.stop()
             drop_pg_database(db)
     print("\n| balancing | answers | prefills per manual (max) | answers per replica | busiest / "
