@@ -23,27 +23,31 @@ class TierClaims:
     """The claim operations of ``RedisTier`` (a part of it: they use its client, its loader
     thread, its owner id, its lock, its write queue, its held claims and its ``_fetch``)."""
 
-    def lookup(self, block_hashes: Sequence[bytes], parent: bytes) -> concurrent.futures.Future:
+    def lookup(
+        self, block_hashes: Sequence[bytes], parent: bytes, before: Sequence[bytes] = ()
+    ) -> concurrent.futures.Future:
         """``fetch``, then, where the chain stops short, a claim on its first missing block:
         the future resolves to (the blocks found, the block hash this process now claims or
         None, the block hash another process claims or None). Another process computing this
-        chain is seen whether its claim is on the first missing block or on one it has
-        already written (it claimed the chain where its own lookup stopped). Never raises."""
+        chain is seen whether its claim is on the first missing block, on one it has already
+        written (it claimed the chain where its own lookup stopped) or on one of ``before``:
+        the blocks ahead of these that this process holds already (a lookup that loaded the
+        first part of what the other is still computing starts after it). Never raises."""
         fut: concurrent.futures.Future
         if not block_hashes or not self._up or self._closing:
             fut = concurrent.futures.Future()
             fut.set_result(([], None, None))
             return fut
-        return self._loader.submit(self._lookup, list(block_hashes), parent)
+        return self._loader.submit(self._lookup, list(block_hashes), parent, list(before))
 
-    def _lookup(self, block_hashes: list[bytes], parent: bytes):
+    def _lookup(self, block_hashes: list[bytes], parent: bytes, before: list[bytes]):
         found = self._fetch(block_hashes, parent)
         if len(found) == len(block_hashes) or not self._up:
             return found, None, None
         missing = block_hashes[len(found)]
         ttl_ms = int(self.config.claim_ttl_s * 1000)
         try:
-            held = self._claimed_by_others(block_hashes[: len(found)])
+            held = self._claimed_by_others(before + block_hashes[: len(found)])
             if held is not None:
                 return found, None, held
             key = self._claim_prefix + missing.hex().encode()

@@ -297,6 +297,30 @@ def test_a_claim_lives_while_its_holder_does_and_lapses_after(prefix):
         other.close()
 
 
+def test_a_lookup_past_blocks_loaded_from_a_holder_still_sees_its_claim(prefix):
+    """Replica B loaded the first blocks another replica writes as it computes a prefix, so
+    B's next lookup starts after them: the holder's claim, on the chain's first block, is
+    still seen (B waits), not passed by claiming a later block and computing the rest."""
+    from prefix_store.redis_tier import RedisTier
+
+    cfg = TierConfig(url=REDIS_URL, prefix=prefix)
+    holder = RedisTier(cfg, b"f" * 16, 16, 64)
+    other = RedisTier(cfg, b"f" * 16, 16, 64)
+    try:
+        first, later = [bytes([i]) * 16 for i in (1, 2, 3)], bytes([4]) * 16
+        assert holder.lookup(first, b"\x00" * 16).result(10) == ([], first[0], None)
+        # the blocks the holder computed so far are in B's pool; B looks past them
+        found, claimed, busy = other.lookup([later], first[-1], before=first).result(10)
+        assert (found, claimed, busy) == ([], None, first[0])
+        assert other.held_claims == 0
+        holder.release(first[0])
+        assert holder.flush().result(10)
+        assert other.lookup([later], first[-1], before=first).result(10) == ([], later, None)
+    finally:
+        holder.close()
+        other.close()
+
+
 def test_a_release_dropped_with_the_write_queue_is_not_renewed_for_good(prefix, tmp_path):
     """Redis fails under a queued write with a release behind it: the failure drops the
     queue, release included; the claim is no longer renewed, so it lapses instead of holding

@@ -77,7 +77,7 @@ class TierIO:
             return None
         parent = hashes[k - 1] if k else kv.hasher(req.namespace).root
         return TierLookup(
-            self.tier.lookup(hashes[k:max_blocks], parent),
+            self.tier.lookup(hashes[k:max_blocks], parent, hashes[:k]),
             k,
             time.perf_counter() + self.tier.config.lookup_wait_s,
             waited=after_wait,
