@@ -7,7 +7,8 @@ request computes it; a thread of the process renews its claims every third of th
 they are released (not the engine's steps: a step of long prefills on a busy machine can take
 longer than the TTL, and a claim that lapsed under a live holder let another replica compute
 the same prefix again); another replica's lookup that finds the claim taken, on that block or
-on one the holder has written already, waits, polling, until the holder releases it (after its
+on one the holder has written already (which that replica may hold in its pool by now, loaded
+from what the holder wrote so far), waits, polling, until the holder releases it (after its
 request's prompt is computed and its blocks are written through) or it lapses, then loads what
 the holder wrote (``TierIO``). Claims of this process's own requests are left to the engine's
 scheduler, which never prefills a shared prefix twice.
