@@ -41,6 +41,7 @@ class TierLookup:
 
 
 RELOOK_MIN_BLOCKS = 4  # a question's own blocks are not worth a second lookup
+LOADED_KEPT = 65_536  # blocks loaded lately remembered at most (TierIO._loaded)
 
 
 class TierIO:
@@ -49,6 +50,9 @@ class TierIO:
         self.kv = kv
         self.runner = runner  # reads and writes blocks' K/V (``ModelRunner.read_blocks``)
         self._pending: list[Request] = []  # requests whose lookup is in flight
+        # blocks loaded from the tier lately (hash -> perf_counter time): another replica may
+        # still be computing the prefix they start, under a claim on one of them
+        self._loaded: dict[bytes, float] = {}
 
     @property
     def up(self) -> bool:
@@ -77,11 +81,31 @@ class TierIO:
             return None
         parent = hashes[k - 1] if k else kv.hasher(req.namespace).root
         return TierLookup(
-            self.tier.lookup(hashes[k:max_blocks], parent, hashes[:k]),
+            self.tier.lookup(hashes[k:max_blocks], parent, self._loaded_of(hashes[:k])),
             k,
             time.perf_counter() + self.tier.config.lookup_wait_s,
             waited=after_wait,
         )
+
+    def _loaded_of(self, hashes: list[bytes]) -> list[bytes]:
+        """Those of a request's local blocks that were loaded from the tier within the longest
+        wait on a claim: where another replica's claim on the prefix may sit, which a lookup
+        starting after them asks about as well (only they: most local blocks were computed
+        here or loaded long ago, and asking about hundreds costs milliseconds)."""
+        if not self._loaded:
+            return []
+        horizon = time.perf_counter() - self.tier.config.claim_wait_s
+        return [h for h in hashes if self._loaded.get(h, 0.0) > horizon]
+
+    def _note_loaded(self, block_hashes: list[bytes]) -> None:
+        now = time.perf_counter()
+        horizon = now - self.tier.config.claim_wait_s
+        if len(self._loaded) > LOADED_KEPT or next(iter(self._loaded.values()), now) < horizon:
+            kept = [(h, t) for h, t in self._loaded.items() if t > horizon]
+            self._loaded = dict(kept[-LOADED_KEPT // 2 :])
+        for h in block_hashes:
+            self._loaded.pop(h, None)  # kept in the order loaded: the oldest first
+            self._loaded[h] = now
 
     def install_ready(self) -> None:
         """Install the blocks that finished lookups found, release the requests whose lookup
@@ -196,6 +220,7 @@ class TierIO:
             parent = hashes[j - 1] if j else kv.hasher(req.namespace).root
             if kv.index_block(block, blk.block_hash, parent, blk.token_ids):
                 req.tier_loaded.add(blk.block_hash)
+        self._note_loaded([blk.block_hash for _, blk in todo])
         kv.release(held)
 
     def write_through(self, newly: list) -> None:
