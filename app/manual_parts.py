@@ -4,7 +4,8 @@ part each question is answered from.
 ``part_rows`` cuts a manual (``app/parts.py``) into parts of at most a prompt's room, with their
 exact prompt ids, and the paragraphs full-text search ranks. ``rank_parts`` asks the database
 which paragraphs hold the question's words (Postgres: a tsvector with a GIN index; SQLite:
-FTS5) and scores them with BM25; ``choose_part`` picks the part.
+FTS5) and scores them with BM25 (a summary's one-line entry counting for the definition it
+sums up); ``choose_part`` picks the part.
 """
 
 from __future__ import annotations
@@ -136,17 +137,18 @@ def part_scores(scores: dict[int, float], part_of: dict[int, int]) -> dict[int, 
     return {p: sum(sorted(v, reverse=True)[:PASSAGES_PER_PART]) for p, v in per.items()}
 
 
-# Postgres: the passages of one manual that hold each lexeme of the query (to_tsvector's english
-# stems, stop words and one-letter lexemes dropped, as fts5_terms drops them: the e of "set -e"
-# is the named option's, not a word to search), with its occurrences in the text, in the term
-# the passage defines (weight A) and in its section's heading (weight B), from the passages'
-# tsvectors; the GIN index finds those holding any of them
+# Postgres: the passages of one manual that hold each lexeme of the query (English stems of
+# docqa_english, migrations/versions/0005: english's stemmer without its stop words, so the
+# question's words less _STOP_WORDS count on both databases; one-letter lexemes dropped, as
+# fts5_terms drops them: the e of "set -e" is the named option's, not a word to search), with
+# its occurrences in the text, in the term the passage defines (weight A) and in its section's
+# heading (weight B), from the passages' tsvectors; the GIN index finds those holding any
 _PG_TERMS = text(
     """
     WITH q AS (
         SELECT array_agg(DISTINCT lexeme) AS lexemes,
                to_tsquery('simple', string_agg(DISTINCT quote_literal(lexeme), ' | ')) AS any_of
-        FROM unnest(to_tsvector('english', translate(:query, '<>', '  ')))
+        FROM unnest(to_tsvector('docqa_english', translate(:query, '<>', '  ')))
         WHERE length(lexeme) > 1
     )
     SELECT u.lexeme, s.id, s.part_idx, s.term, length(s.content),
@@ -238,12 +240,16 @@ async def rank_parts(conn, manual_id: str, query: str) -> list[PartScore]:
         return min(tf, 1) + HEADING_WEIGHT * min(th, 1) + TERM_WEIGHT * min(tt, 1)
 
     terms: dict[int, str] = {}
+    sizes: dict[int, int] = {}  # each passage's characters
     if conn.dialect.name == "postgresql":
-        params = {"query": query[:20_000], "manual_id": manual_id}
+        # the question's words less the stop words FTS5's search leaves out too (english's
+        # own list drops the rest)
+        kept = (w for w in query.split() if w.strip(".,;:?!'\"()").lower() not in _STOP_WORDS)
+        params = {"query": " ".join(kept)[:20_000], "manual_id": manual_id}
         rows = (await conn.execute(_PG_TERMS, params)).all()
         for lexeme, sid, part, term, n, *tfs in rows:
             hits.setdefault(lexeme, []).append((sid, n, weighted(*tfs)))
-            part_of[sid], terms[sid] = part, term
+            part_of[sid], terms[sid], sizes[sid] = part, term, n
     else:
         for word in fts5_terms(query):
             params = {
@@ -256,6 +262,7 @@ async def rank_parts(conn, manual_id: str, query: str) -> list[PartScore]:
             hits[word] = [(sid, n, weighted(*tfs)) for sid, _, _, n, *tfs in rows]
             part_of.update((sid, part) for sid, part, *_ in rows)
             terms.update((sid, term) for sid, _, term, *_ in rows)
+            sizes.update((sid, n) for sid, _, _, n, *_ in rows)
     if not part_of:
         return []
     num, avg_len = (
@@ -270,6 +277,7 @@ async def rank_parts(conn, manual_id: str, query: str) -> list[PartScore]:
     for sid in scores:
         if named and named & defined_names(terms.get(sid, "")):
             scores[sid] *= 1 + NAMED_BOOST  # the definition of what the question names
+    await _to_definitions(conn, manual_id, scores, part_of, terms, sizes)
     best = part_scores(scores, part_of)
     titles = dict(
         (
@@ -280,6 +288,59 @@ async def rank_parts(conn, manual_id: str, query: str) -> list[PartScore]:
     )
     ranked = sorted(best.items(), key=lambda kv: (-kv[1], kv[0]))
     return [PartScore(i, titles.get(i, ""), round(sc, 4)) for i, sc in ranked]
+
+
+ENTRY_CHARS = 240  # the longest line of a summary (of a page up to 200 columns wide)
+
+
+def _name_like(term: str) -> bool:
+    """Whether a term names something a summary can point to: a form of three characters or
+    more besides its dashes (``--compress, -z``, ``RSYNC_RSH``; not ``-c`` or a bullet)."""
+    return any(len(n.lstrip("-")) >= 3 for n in defined_names(term))
+
+
+async def _to_definitions(conn, manual_id, scores, part_of, terms, sizes) -> None:
+    """Credit a summary's entry to the definition it sums up: a passage that is one line
+    starting with its term (``--bwlimit=RATE  limit socket I/O bandwidth`` in an option
+    summary), where the manual defines the same term at length elsewhere, gives its score to
+    the definition's first passage, whose part holds the answer (the best entry of each
+    definition is added to it)."""
+    asked = {terms[s] for s in scores if sizes[s] <= ENTRY_CHARS and _name_like(terms.get(s, ""))}
+    if not asked:
+        return
+    rows = (
+        await conn.execute(
+            select(
+                ManualPassage.id,
+                ManualPassage.part_idx,
+                ManualPassage.term,
+                func.length(ManualPassage.content),
+                func.substr(ManualPassage.content, 1, ENTRY_CHARS + 600),
+            )
+            .where(ManualPassage.manual_id == manual_id, ManualPassage.term.in_(asked))
+            .order_by(ManualPassage.id)
+        )
+    ).all()
+    by_term: dict[str, list] = {}
+    for row in rows:
+        part_of.setdefault(row[0], row[1])
+        by_term.setdefault(row[2], []).append(row)
+    given: dict[int, float] = {}
+    for term, found in by_term.items():
+        entries, starts, size = [], [], 0
+        for sid, _, _, n, head in found:
+            line = head.strip()
+            if n <= ENTRY_CHARS and "\n" not in line and line.startswith(term):
+                entries.append((sid, len(line)))
+                continue
+            size += n
+            if line.startswith(term):
+                starts.append(sid)
+        for sid, n in entries:
+            if starts and sid in scores and 2 * n <= size:
+                given[starts[0]] = max(given.get(starts[0], 0.0), scores.pop(sid))
+    for sid, score in given.items():
+        scores[sid] = scores.get(sid, 0.0) + score
 
 
 async def list_parts(conn, manual_ids: Sequence[str]) -> dict[str, list[tuple]]:

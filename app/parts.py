@@ -219,7 +219,11 @@ def _indent(line: str) -> int:
     return len(line.expandtabs(8)) - len(line.expandtabs(8).lstrip())
 
 
-_TERM_ON_LINE = re.compile(r"^\s*(\S{1,40})\s{2,}\S")
+# a term of one or more comma-separated forms ("-z", "--compress, -z"), two spaces, its text
+_TERM_ON_LINE = re.compile(r"^\s*(\S{1,40}(?:, \S{1,40})*)\s{2,}\S")
+
+
+_TERM_THEN_TEXT = re.compile(r"^\s*(\S{1,40}) (\S.*)$")
 
 
 def _term_line(line: str, following: str | None, previous: str | None = None) -> str | None:
@@ -235,6 +239,11 @@ def _term_line(line: str, following: str | None, previous: str | None = None) ->
     if m and _indent(line) > 0 and (deeper or not _goes_on(line, previous)):
         return m.group(1)
     if deeper and len(line.strip()) <= 80 and not _goes_on(line, previous):
+        # a term as wide as its column, one space, then its text at the column the lines
+        # below go on at (``speed_download The average download speed...``): the first word
+        m = _TERM_THEN_TEXT.match(line.expandtabs(8))
+        if m and m.start(2) == _indent(following) and len(m.group(2).split()) >= 3:
+            return m.group(1)
         return line.strip()
     return None
 
@@ -256,6 +265,24 @@ def defined_term_of(paragraph: str) -> str | None:
     return _term_line(lines[0], lines[1] if len(lines) > 1 else None)
 
 
+def _stacked_term(lines: Sequence[str]) -> tuple[str, int] | None:
+    """A term of several forms stacked a line each over its text, as texinfo's and pod's
+    pages lay out an option (``-m`` / ``--mirror`` / its text indented deeper): the forms
+    joined (``-m, --mirror``) and how many lines they take; None for one line or none."""
+    ind = _indent(lines[0]) if lines else 0
+    for j, line in enumerate(lines[:STACKED_FORMS]):
+        form = line.strip()
+        if ind == 0 or not form or _indent(line) != ind or len(form) > 40 or "  " in form:
+            return None
+        following = lines[j + 1] if j + 1 < len(lines) else ""
+        if following.strip() and _indent(following) > ind:
+            return (", ".join(x.strip() for x in lines[: j + 1]), j + 1) if j else None
+    return None
+
+
+STACKED_FORMS = 4  # the most forms of one term stacked over its text
+
+
 def _definitions(
     text: str, a: int, b: int, heading: bool
 ) -> list[tuple[int, int, str | None, int]]:
@@ -264,9 +291,13 @@ def _definitions(
     lines = text[a:b].split("\n")
     out: list[tuple[int, int, str | None, int]] = []
     at = a
+    first = 1 if heading else 0  # the line a definition may start at
+    stacked = _stacked_term(lines[first:])
     for i, line in enumerate(lines):
         term = None
-        if i or not heading:
+        if stacked is not None and first <= i < first + stacked[1]:
+            term = stacked[0] if i == first else None
+        elif i or not heading:
             following = lines[i + 1] if i + 1 < len(lines) else None
             term = _term_line(line, following, lines[i - 1] if i else None)
         if term is not None and (not out or at > out[-1][0]):

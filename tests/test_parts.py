@@ -181,6 +181,35 @@ def test_a_nested_definition_knows_what_it_is_in_and_a_sentence_is_no_term(count
     assert defined_term_of(lines[below]) == "below)."  # alone, the line looks like one
 
 
+FORMS = """OPTION SUMMARY
+       --compress, -z\t\tcompress file data during the transfer
+       --bwlimit=RATE\t\tlimit socket I/O bandwidth
+
+OPTIONS
+       -m
+       --mirror
+           Turn on options suitable for mirroring.
+
+       -w, --write-out <format>
+              Make curl display information on stdout after a completed transfer.
+
+              speed_download The average download speed that curl measured for the complete
+                             download. Bytes per second.
+"""
+
+
+def test_a_term_of_several_forms_on_one_line_or_stacked(counting):
+    count, cuts = counting
+    parts = split_manual(FORMS, count, 5000, 0, cuts)
+    found = {FORMS[x.start : x.end].split()[0]: x.term for x in passages(FORMS, parts)}
+    assert found["--compress,"] == "--compress, -z"  # a summary's entries: one passage each
+    assert found["--bwlimit=RATE"] == "--bwlimit=RATE"
+    assert found["-m"] == "-m, --mirror"  # texinfo's and pod's layout, a form a line
+    assert found["-w,"] == "-w, --write-out <format>"
+    # a term as wide as its column, one space and its text: the term is the first word
+    assert found["speed_download"] == "speed_download"
+
+
 def test_passages_belong_to_the_part_that_brings_them(counting):
     count, cuts = counting
     text = _doc()

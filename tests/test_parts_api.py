@@ -118,6 +118,43 @@ def test_a_placeholder_of_a_definition_is_a_word_to_search(api):
     assert api.delete(f"/v1/manuals/{m['id']}").status_code == 204
 
 
+def test_a_summary_entry_counts_for_the_definition_it_sums_up(api):
+    """An option summary's one-line entry holds the question's words; the definition it sums
+    up, far away in another part, holds none of them: the definition's part answers."""
+    head = (
+        "OPTION SUMMARY\n"
+        "       --verbose, -v\t\tincrease verbosity\n"
+        "       --bwlimit=RATE\t\tlimit socket I/O bandwidth\n"
+        "       --quiet, -q\t\tsuppress non-error messages\n\n"
+    )
+    tail = (
+        "\n\nOPTIONS\n       --bwlimit=RATE\n"
+        "\t      This option sets the maximum transfer rate for the data sent over the\n"
+        "\t      socket, in units per second.\n\n"
+        "\t      If it is given twice, the last rate counts.\n"
+    )
+    text = f"Revision {uuid.uuid4().hex}\n\n{head}{TYPING}{tail}"
+    m = _upload(api, text)
+    holder = _holding(m, text, "       --bwlimit=RATE\n")
+    assert 0 not in holder
+    question = "How do I limit the bandwidth?"
+    ranked = api.get(f"/v1/manuals/{m['id']}/parts", params={"question": question}).json()
+    assert ranked["chosen"] in holder, ranked
+    assert api.delete(f"/v1/manuals/{m['id']}").status_code == 204
+
+
+def test_an_english_stop_word_of_a_definition_is_a_word_to_search(api):
+    """Postgres's english configuration drops "only" and "once" when it indexes; the
+    question decides which words count, on both databases alike (migrations/versions/0005)."""
+    tail = "\n\nOPTIONS\n       --solo\n\t      Runs only once.\n"
+    text = f"Revision {uuid.uuid4().hex}\n\n{TYPING}{tail}"
+    m = _upload(api, text)
+    question = "Only once?"
+    ranked = api.get(f"/v1/manuals/{m['id']}/parts", params={"question": question}).json()
+    assert ranked["chosen"] in _holding(m, text, "--solo"), ranked
+    assert api.delete(f"/v1/manuals/{m['id']}").status_code == 204
+
+
 def test_a_manual_that_fits_is_one_part_and_its_prompt_is_unchanged(api, tokenizer):
     from prompts import PromptBuilder
 
