@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import tempfile
 import time
@@ -35,6 +36,64 @@ def parallel_units(device: torch.device, fallback: int = 4) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return fallback
+
+
+def cgroup_cpu_limit(
+    proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")
+) -> float | None:
+    """The CPUs this process's cgroup may use: the tightest CFS quota over its period of its
+    cgroup and their parents (v2 ``cpu.max``; v1 ``cpu.cfs_quota_us`` over
+    ``cpu.cfs_period_us``), as a container's CPU limit sets it; None where none is set or
+    none can be read. torch's thread count follows the cores it sees, not this."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if hierarchy == "0" and not controllers:  # cgroup v2
+            bases, files = [root, root / "unified"], ("cpu.max",)
+        elif "cpu" in controllers.split(","):  # cgroup v1
+            bases = [root / controllers, root / "cpu", root / "cpu,cpuacct"]
+            files = ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+        else:
+            continue
+        for base in bases:
+            if not base.is_dir():
+                continue
+            d = base / path.strip("/")
+            while True:
+                limit = _cfs_limit(d, files)
+                if limit is not None:
+                    limits.append(limit)
+                if d == base or base not in d.parents:
+                    break
+                d = d.parent
+            break
+    return min(limits) if limits else None
+
+
+def _cfs_limit(d: Path, files: tuple[str, ...]) -> float | None:
+    try:
+        if len(files) == 1:  # "max 100000" or "150000 100000"
+            quota, period = (d / files[0]).read_text().split()[:2]
+        else:
+            quota, period = ((d / f).read_text().strip() for f in files)
+        if quota in ("max", "-1") or int(period) <= 0:
+            return None
+        return int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+def default_threads() -> int:
+    """torch's threads for an engine not told: torch's own count (the cores it sees), or
+    fewer where the process's cgroup holds it to fewer CPUs (a container's CPU limit): more
+    threads than its quota makes OpenMP's threads wait on each other's time slices."""
+    threads = torch.get_num_threads()
+    limit = cgroup_cpu_limit()
+    return max(1, min(threads, math.ceil(limit))) if limit else threads
 
 
 def cpu_has_native_bf16() -> bool:

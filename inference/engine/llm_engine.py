@@ -20,6 +20,7 @@ import torch
 import xxhash
 
 from inference.config import EngineConfig
+from inference.device import default_threads
 from inference.engine.holds import PinTable
 from inference.engine.sampling_params import SamplingParams
 from inference.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -59,8 +60,10 @@ class LLMEngine:
         self.model_dir = model_dir = Path(config.model_dir)
         if not (model_dir / "config.json").is_file():
             raise ModelError(f"no model at {model_dir} (expected a directory with config.json)")
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        threads = config.num_threads or default_threads()
+        if threads != torch.get_num_threads():
+            log.info("torch threads: %d (of %d)", threads, torch.get_num_threads())
+            torch.set_num_threads(threads)
         self.runner = runner = runner or make_runner(config)
         self.tokenizer = TextTokenizer(model_dir)
         self.model_config = runner.model_config
