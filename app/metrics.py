@@ -125,6 +125,12 @@ class _EngineCollector:
                 "(it had waited for admission since)",
                 "tier_relooks",
             )
+            yield counter(
+                "docqa:redis_tier_relooks_evicted",
+                "Lookups asked again because the pool evicted part of the local prefix they "
+                "started after while they ran",
+                "tier_relooks_evicted",
+            )
         yield gauge(
             "docqa:kv_cache_usage_perc",
             "Fraction of KV blocks referenced by running requests",

@@ -3,8 +3,9 @@
 and a three-master Redis Cluster, all on loopback; the same load with round-robin balancing
 beside it, and the consistent run again with one replica killed half way.
 
-    .venv/bin/python bench/scale_out.py [--manuals 12] [--clients 16] [--questions 6]
+    .venv/bin/python bench/scale_out.py [--manuals 12] [--clients 16] [--questions 24]
         [--balance consistent roundrobin] [--no-kill] [--cpus-per-replica 0.66]
+        [--threads-per-replica N] [--kv-cache-gib G]
 
 The manuals are uploaded cold: the load's first questions about a manual are what computes it.
 The load: ``--clients`` clients, each asking ``--questions`` questions about manuals drawn at
@@ -21,7 +22,11 @@ their prefix cached and the tokens read from Redis. Needs the Postgres at 127.0.
 database of its own, dropped at the end), redis-server, redis-cli and haproxy. Writes JSON
 under bench/results/. The replicas share this machine's cores unless ``--cpus-per-replica``
 holds each to a CPU quota of its own (cgroup v1, root), as replicas on machines of their own
-are: then an idle replica's time is not lent to a busy one.
+are: then an idle replica's time is not lent to a busy one. Each replica runs the cores over
+the replicas in torch threads (one on two cores), as an operator sharing a machine between
+replicas would set ``--threads``: three replicas of two threads on two cores answered 4 times
+slower. The run is 24 questions a client, so the balance measured is that of the load going
+on, not only of the first questions, which wait on their manuals' cold prefills.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import concurrent.futures
 import contextlib
 import datetime as dt
 import json
+import math
 import os
 import platform
 import random
@@ -59,6 +65,7 @@ from svc_helpers import (  # noqa: E402
 )
 
 RESULTS = Path(__file__).parent / "results"
+REPLICAS = 3
 QUESTIONS = [
     "Which mode keeps the water hottest?",
     "How do I reset it?",
@@ -102,15 +109,17 @@ class Stack:
 def start_stack(
     tmp: Path,
     db_url: str,
-    replicas: int = 3,
+    replicas: int = REPLICAS,
     balance: str | None = None,
     api_keys: str | None = None,
+    server_args: tuple[str, ...] = (),
 ) -> Stack:
     """A Redis Cluster, ``replicas`` docqa servers on it and ``db_url`` (started side by side),
     HAProxy in front (``balance``: its routing instead of the manual's hash)."""
     redis = RedisCluster(tmp).start()
     servers = [Server(tmp, db_url, api_keys, name=f"replica-{i}") for i in range(replicas)]
     for i, s in enumerate(servers):
+        s.args = server_args
         # the last one names the cluster outright, the others let docqa ask a node
         url = redis.url.replace("redis://", "redis+cluster://") if i == replicas - 1 else redis.url
         s.extra_env = {"DOCQA_REDIS_URL": url}
@@ -299,6 +308,7 @@ TIER_COUNTERS = (
     "claim_waits",
     "claim_waits_expired",
     "relooks",
+    "relooks_evicted",
     "errors",
 )
 
@@ -306,7 +316,7 @@ TIER_COUNTERS = (
 def tier_counters(stack: Stack) -> dict[str, int]:
     """The Redis tier's counters summed over the live replicas: writes dropped, lookups that
     ran out of time (their request computed without a claim), waits on another's claim; a
-    manual computed twice shows in one of them."""
+    manual computed twice shows in one of them. And the requests preempted (a full pool)."""
     out = dict.fromkeys(TIER_COUNTERS, 0)
     for s in stack.servers:
         if s.proc is None or s.proc.poll() is not None:
@@ -315,6 +325,8 @@ def tier_counters(stack: Stack) -> dict[str, int]:
         for name in TIER_COUNTERS:
             m = re.search(rf"^docqa:redis_tier_{name}(?:_total)?(?:{{[^}}]*}})? (\S+)$", text, re.M)
             out[name] += int(float(m.group(1))) if m else 0
+        m = re.search(r"^docqa:num_preemptions(?:_total)?(?:{[^}]*})? (\S+)$", text, re.M)
+        out["preemptions"] = out.get("preemptions", 0) + (int(float(m.group(1))) if m else 0)
     return out
 
 
@@ -354,6 +366,18 @@ def summarize(results: list[Result], manuals: list[dict]) -> dict:
     device = sum(r.cached_tokens for r in ok) - redis
     ttft = sorted(r.ttft_ms for r in ok)
     flight = in_flight(results)
+    per_replica = []  # what each replica's answers cost it: the busiest first
+    for rid in sorted(replicas, key=replicas.get, reverse=True):
+        mine = [r for r in ok if r.replica == rid]
+        per_replica.append(
+            {
+                "answers": len(mine),
+                "manuals": len({r.manual for r in mine}),
+                "seconds_per_answer": round(statistics.mean(r.end - r.start for r in mine), 3),
+                "computed_tokens": sum(r.prompt_tokens - r.cached_tokens for r in mine),
+                "redis_tokens": sum(r.redis_tokens for r in mine),
+            }
+        )
     return {
         "answers": len(ok),
         "failed": len(results) - len(ok),
@@ -369,6 +393,7 @@ def summarize(results: list[Result], manuals: list[dict]) -> dict:
         "redis_hit_share": redis / prompt,
         "ttft_p50_ms": ttft[len(ttft) // 2] if ttft else 0.0,
         "ttft_p90_ms": ttft[int(len(ttft) * 0.9)] if ttft else 0.0,
+        "per_replica": per_replica,
     }
 
 
@@ -453,6 +478,12 @@ def kill_summary(run: KillRun, block: int = 16) -> dict:
         "moved_manuals": len({r.manual for r in after}),
         "moved_answers": len(after),
         "moved_answers_cold": sum(size[r.manual] - r.cached_tokens > block for r in after),
+        # each such answer's prefix tokens computed, of its prefix's
+        "moved_cold_tokens": [
+            (size[r.manual] - r.cached_tokens, size[r.manual])
+            for r in after
+            if size[r.manual] - r.cached_tokens > block
+        ],
         "moved_redis_tokens": sum(r.redis_tokens for r in after),
         "moved_first_on_replica": len(firsts),
         "moved_first_redis_tokens": sum(r.redis_tokens for r in firsts),
@@ -463,7 +494,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--manuals", type=int, default=12)
     ap.add_argument("--clients", type=int, default=16)
-    ap.add_argument("--questions", type=int, default=6, help="per client")
+    ap.add_argument("--questions", type=int, default=24, help="per client")
     ap.add_argument("--balance", nargs="+", default=["consistent", "roundrobin"])
     ap.add_argument("--no-kill", action="store_true", help="skip the run with a replica killed")
     ap.add_argument(
@@ -472,14 +503,39 @@ def main() -> int:
         help="hold each replica to this many cores (a cgroup v1 CPU quota), as on machines of "
         "their own (default: the replicas share this machine's cores)",
     )
+    ap.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        help="each replica's KV pool (default: the tests' 0.25 GiB, about 11,600 tokens)",
+    )
+    ap.add_argument(
+        "--threads-per-replica",
+        type=int,
+        help="each replica's torch threads (default: the cores over the replicas, at least 1; "
+        "with --cpus-per-replica, that quota rounded up): replicas sharing a machine, each with "
+        "a thread a core, make OpenMP's threads wait on each other's time slices",
+    )
     ap.add_argument("--out", help="JSON path (default: bench/results/scale-out-DATE.json)")
     args = ap.parse_args()
     rows = {}
     kill: dict = {}
+    server_args: tuple[str, ...] = ()
+    if args.kv_cache_gib is not None:
+        server_args += ("--kv-cache-gib", str(args.kv_cache_gib))
+    threads = args.threads_per_replica
+    if threads is None:
+        shared = max(1, (os.cpu_count() or 1) // REPLICAS)
+        threads = math.ceil(args.cpus_per_replica) if args.cpus_per_replica else shared
+    server_args += ("--threads", str(threads))
     for balance in args.balance:
         db = create_pg_database()
         tmp = Path(tempfile.mkdtemp(prefix="docqa-scale-"))
-        stack = start_stack(tmp, db, balance=None if balance == "consistent" else balance)
+        stack = start_stack(
+            tmp,
+            db,
+            balance=None if balance == "consistent" else balance,
+            server_args=server_args,
+        )
         quotas = None
         try:
             if args.cpus_per_replica:

@@ -103,6 +103,9 @@ class RedisTier(TierClaims):
         # computed what was still missing itself
         self.claim_waits_expired = 0
         self.relooks = 0  # lookups asked again before computing (their first answer was stale)
+        # lookups asked again because the pool evicted part of the local prefix they started
+        # after while they ran (what they found no longer joined it)
+        self.relooks_evicted = 0
         self._loader = concurrent.futures.ThreadPoolExecutor(
             2, thread_name_prefix="docqa-tier-load"
         )
@@ -420,6 +423,7 @@ class RedisTier(TierClaims):
             "claim_waits": self.claim_waits,
             "claim_waits_expired": self.claim_waits_expired,
             "relooks": self.relooks,
+            "relooks_evicted": self.relooks_evicted,
             "pending_bytes": self._pending_bytes,
         }
 

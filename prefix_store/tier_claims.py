@@ -11,7 +11,10 @@ on one the holder has written already (which that replica may hold in its pool b
 from what the holder wrote so far), waits, polling, until the holder releases it (after its
 request's prompt is computed and its blocks are written through) or it lapses, then loads what
 the holder wrote (``TierIO``). Claims of this process's own requests are left to the engine's
-scheduler, which never prefills a shared prefix twice.
+scheduler, which never prefills a shared prefix twice; but a lookup whose first missing block
+another request of this process claims (whose prompt may part from this one's after it) claims
+the first block past it that nobody claims, so the rest of its prompt is claimed too and
+another replica waits on it rather than computing it beside this one.
 """
 
 from __future__ import annotations
@@ -19,13 +22,19 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Sequence
 
+OWN_CLAIM_SCAN = 16  # blocks past this process's own claim a lookup looks at for one to claim
+
 
 class TierClaims:
     """The claim operations of ``RedisTier`` (a part of it: they use its client, its loader
     thread, its owner id, its lock, its write queue, its held claims and its ``_fetch``)."""
 
     def lookup(
-        self, block_hashes: Sequence[bytes], parent: bytes, before: Sequence[bytes] = ()
+        self,
+        block_hashes: Sequence[bytes],
+        parent: bytes,
+        before: Sequence[bytes] = (),
+        mine: bytes | None = None,
     ) -> concurrent.futures.Future:
         """``fetch``, then, where the chain stops short, a claim on its first missing block:
         the future resolves to (the blocks found, the block hash this process now claims or
@@ -33,15 +42,21 @@ class TierClaims:
         chain is seen whether its claim is on the first missing block, on one it has already
         written (it claimed the chain where its own lookup stopped) or on one of ``before``:
         the blocks ahead of these that this process holds already (a lookup that loaded the
-        first part of what the other is still computing starts after it). Never raises."""
+        first part of what the other is still computing starts after it). ``mine``: the
+        claim the asking request holds already (a lookup asked again): where the chain's
+        first missing block is claimed by this process, but not as ``mine``, the lookup claims
+        the first block past it that nobody claims, unless it reaches ``mine``. Never
+        raises."""
         fut: concurrent.futures.Future
         if not block_hashes or not self._up or self._closing:
             fut = concurrent.futures.Future()
             fut.set_result(([], None, None))
             return fut
-        return self._loader.submit(self._lookup, list(block_hashes), parent, list(before))
+        return self._loader.submit(self._lookup, list(block_hashes), parent, list(before), mine)
 
-    def _lookup(self, block_hashes: list[bytes], parent: bytes, before: list[bytes]):
+    def _lookup(
+        self, block_hashes: list[bytes], parent: bytes, before: list[bytes], mine: bytes | None
+    ):
         found = self._fetch(block_hashes, parent)
         if len(found) == len(block_hashes) or not self._up:
             return found, None, None
@@ -57,10 +72,42 @@ class TierClaims:
                     self._held_claims.add(missing)
                 return found, missing, None
             holder = self._client.get(key)
+            if holder is not None and holder.decode() == self.owner and missing != mine:
+                # another request of this process claims that block, and its prompt may part
+                # from this one's after it: this one claims the first block past it nobody
+                # claims (not again where it holds one: ``mine``)
+                after = block_hashes[len(found) + 1 : len(found) + 1 + OWN_CLAIM_SCAN]
+                claimed, busy = self._claim_after_own(after, ttl_ms, mine)
+                return found, claimed, busy
         except self._redis_errors:
             return found, None, None  # no claims without Redis: compute
         busy = holder is not None and holder.decode() != self.owner
         return found, None, missing if busy else None
+
+    def _claim_after_own(
+        self, block_hashes: list[bytes], ttl_ms: int, mine: bytes | None
+    ) -> tuple[bytes | None, bytes | None]:
+        """Claim the first of these blocks nobody claims, passing those this process claims:
+        (the block claimed, None), or (None, the block another process claims first), or
+        (None, None) where this process claims them all or the request's own claim ``mine``
+        comes first."""
+        pipe = self._client.pipeline(transaction=False)
+        for h in block_hashes:
+            pipe.get(self._claim_prefix + h.hex().encode())
+        for h, holder in zip(block_hashes, pipe.execute(raise_on_error=False), strict=True):
+            if h == mine:
+                return None, None
+            if isinstance(holder, bytes) and holder.decode() == self.owner:
+                continue
+            if holder is not None:  # another process's (or an error: leave it)
+                return None, h if isinstance(holder, bytes) else None
+            key = self._claim_prefix + h.hex().encode()
+            if self._client.set(key, self.owner, nx=True, px=ttl_ms):
+                with self._lock:
+                    self._held_claims.add(h)
+                return h, None
+            return None, h  # taken since: by another process, or this one (then none waits)
+        return None, None
 
     def _claimed_by_others(self, block_hashes: list[bytes]) -> bytes | None:
         """The last of these blocks another process claims, or None (one pipeline)."""

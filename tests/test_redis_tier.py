@@ -119,6 +119,45 @@ def test_evicted_manual_is_loaded_back_from_redis(default_model_dir, prefix):
         eng.close()
 
 
+def _evict_after(eng: LLMEngine, ids: list[int], keep: int) -> None:
+    """Evict the cached blocks of ``ids``'s prefix past its first ``keep``, tail first, as the
+    pool does when other admissions take its free blocks."""
+    pool = eng.kv_manager.pool
+    for block in reversed(eng.kv_manager.find_cached_prefix(ids).blocks[keep:]):
+        assert block.ref_cnt == 0
+        pool._evict(block)
+
+
+def test_a_local_prefix_evicted_while_its_lookup_runs_is_looked_up_again(default_model_dir, prefix):
+    """A request's lookup asks Redis for the blocks past its local prefix; meanwhile the pool
+    evicts part of that prefix. The blocks found no longer join what is left: the lookup is
+    asked again from there and the prefix loaded, not computed."""
+    eng = _engine(default_model_dir, prefix)
+    try:
+        builder = PromptBuilder(eng.tokenizer)
+        p1 = builder.build(MANUAL, QUESTIONS[0]).token_ids
+        p2 = builder.build(MANUAL, QUESTIONS[2])
+        _run(eng, p1)
+        assert eng.tier.flush().result(30)
+        _evict_after(eng, p2.token_ids, 8)
+        req = eng.add_request(p2.token_ids, SamplingParams(max_tokens=12))
+        assert req.tier_lookup is not None and req.tier_lookup.start_block == 8
+        found, _, _ = req.tier_lookup.fetch.result(30)
+        assert len(found) >= p2.prefix_len // 16 - 8 - 1
+        _evict_after(eng, p2.token_ids, 5)  # while the lookup ran
+        while not req.finished:
+            eng.step()
+        eng.release(req)
+        assert req.num_cached_tokens >= p2.prefix_len - 16
+        assert req.num_tier_cached_tokens >= req.num_cached_tokens - 5 * 16
+        assert eng.tier.relooks_evicted == 1
+        cold = _run(eng, p2.token_ids, use_cache=False)
+        assert req.output_token_ids == cold.output_token_ids
+        eng.kv_manager.check_integrity()
+    finally:
+        eng.close()
+
+
 def test_a_prefix_another_engine_is_computing_is_waited_for_not_computed_twice(
     default_model_dir, prefix
 ):
@@ -159,6 +198,59 @@ def test_a_prefix_another_engine_is_computing_is_waited_for_not_computed_twice(
             e.kv_manager.check_integrity()
         claims = list(redis_client().scan_iter(match=prefix + "claim:*"))
         assert claims == []
+    finally:
+        a.close()
+        b.close()
+
+
+def test_after_a_wait_a_lookup_waits_on_another_claim_it_finds(default_model_dir, prefix):
+    """B's lookup waits on a claim on the prompt's first block, held by a replica computing
+    another manual that starts the same way (the instructions). Meanwhile A starts computing
+    this prompt: its first 20 blocks are written and it claims the 21st. When the first claim
+    is released, B's lookup finds A's: B waits on it as well, then loads what A wrote, and
+    computes only its question instead of the rest of the prompt beside A."""
+    # A waits on the first claim only briefly: it stands for the replica computing this prompt
+    a = _engine(
+        default_model_dir, prefix, calibrate_prefill_cost=False, tier={"claim_wait_s": 0.05}
+    )
+    b = _engine(default_model_dir, prefix, calibrate_prefill_cost=False)
+    r = redis_client()
+    try:
+        ids = PromptBuilder(b.tokenizer).build(MANUAL, QUESTIONS[1]).token_ids
+        hashes = b.kv_manager.hasher().chain(ids)
+        assert len(hashes) > 24
+
+        def claim(i: int, owner: str) -> bytes:
+            key = f"{prefix}claim:{hashes[i].hex()}".encode()
+            assert r.set(key, owner, px=60_000)
+            return key
+
+        other = claim(0, "a replica computing another manual")
+        rb = b.add_request(ids, SamplingParams(max_tokens=8))
+        deadline = time.monotonic() + 30
+        while b.tier.claim_waits == 0:
+            assert time.monotonic() < deadline
+            b.step()
+        # A computes the prompt's first 20 blocks and writes them; "A" claims the 21st
+        _run(a, ids[: 20 * 16 + 1], max_tokens=1)
+        assert a.tier.flush().result(30)
+        computing = claim(20, "A, computing the rest of this prompt")
+        r.delete(other)
+        deadline = time.monotonic() + 30
+        while b.tier.claim_waits < 2:  # B's lookup again finds A's claim, and waits on it
+            assert time.monotonic() < deadline and rb.num_computed_tokens == 0
+            b.step()
+        r.delete(computing)
+        ra = _run(a, ids)  # A computes the rest and writes it (its claim released)
+        assert a.tier.flush().result(30)
+        while not rb.finished:
+            assert time.monotonic() < deadline
+            b.step()
+        b.release(rb)
+        assert rb.num_tier_cached_tokens >= len(ids) - 2 * 16, (rb.num_tier_cached_tokens, len(ids))
+        assert b.prompt_tokens_computed <= 2 * 16
+        assert rb.output_token_ids[:8] == ra.output_token_ids[:8]
+        b.kv_manager.check_integrity()
     finally:
         a.close()
         b.close()
@@ -319,6 +411,39 @@ def test_a_lookup_past_blocks_loaded_from_a_holder_still_sees_its_claim(prefix):
     finally:
         holder.close()
         other.close()
+
+
+def test_a_lookup_past_its_own_process_claim_claims_the_rest_of_its_prompt(prefix):
+    """Replica B's request for manual X finds the instructions' last block claimed by B itself
+    (another of its requests computes manual Y, which shares that block): it claims the first
+    block of X past it, so replica A, asking about X, waits instead of computing X beside B."""
+    from prefix_store.redis_tier import RedisTier
+
+    cfg = TierConfig(url=REDIS_URL, prefix=prefix)
+    b = RedisTier(cfg, b"f" * 16, 16, 64)
+    a = RedisTier(cfg, b"f" * 16, 16, 64)
+    try:
+        shared = bytes([1]) * 16
+        x = [bytes([10 + i]) * 16 for i in range(3)]
+        y = [bytes([20 + i]) * 16 for i in range(3)]
+        assert b.lookup([shared, *y], b"\x00" * 16).result(10) == ([], shared, None)
+        # B's request for X: the shared block is B's own claim; X's first block is claimed
+        assert b.lookup([shared, *x], b"\x00" * 16).result(10) == ([], x[0], None)
+        assert b.held_claims == 2
+        # the same request asked again keeps the claim it holds, past B's other one
+        assert b.lookup([shared, *x], b"\x00" * 16, mine=x[0]).result(10) == ([], None, None)
+        # a third request of B for X passes both of B's claims
+        assert b.lookup([shared, *x], b"\x00" * 16).result(10) == ([], x[1], None)
+        # and the request holding the shared block's claim, asked again, keeps it
+        assert b.lookup([shared, *y], b"\x00" * 16, mine=shared).result(10) == ([], None, None)
+        # A, about X, sees B computing it: on the shared block, and (holding the shared
+        # block already) on X's first
+        assert a.lookup([shared, *x], b"\x00" * 16).result(10) == ([], None, shared)
+        assert a.lookup(x, shared).result(10) == ([], None, x[0])
+        assert a.held_claims == 0
+    finally:
+        a.close()
+        b.close()
 
 
 def test_a_release_dropped_with_the_write_queue_is_not_renewed_for_good(prefix, tmp_path):

@@ -9,7 +9,9 @@ claim is released once its prompt is computed. Where another replica holds the c
 request waits, polling, until the claim is gone (its blocks written) or
 ``TierConfig.claim_wait_s`` has passed (the holder's process renews its claims until it
 releases them, so a claim outlives ``claim_ttl_s`` only while its holder is alive), and loads
-what the other replica wrote: replicas never compute one prefix twice at once. Found blocks are
+what the other replica wrote: replicas never compute one prefix twice at once. The lookup after
+a wait may find another claim, further on (another replica claimed the rest of the prompt
+meanwhile): it waits on that one too, never on one claim twice. Found blocks are
 copied into fresh blocks of the pool under a hold (``prefix_store.Hold``) that also keeps the
 local prefix from eviction, then indexed like computed blocks, so admission finds them as a
 cached prefix. Newly indexed blocks are read out of the pool on the engine thread (before they
@@ -37,10 +39,13 @@ class TierLookup:
     deadline: float  # perf_counter time after which the request computes what it lacks
     claim: bytes | None = None  # the block another process claims, while waiting on it
     poll_at: float = 0.0  # when to ask again whether the claim is held
-    waited: bool = False  # a lookup after a wait on a claim: not waited on again
+    # the claims this request has waited on: a lookup after a wait waits again only on
+    # another (a replica claimed the rest of the prompt meanwhile), at most MAX_CLAIM_WAITS
+    waited_on: tuple[bytes, ...] = ()
 
 
 RELOOK_MIN_BLOCKS = 4  # a question's own blocks are not worth a second lookup
+MAX_CLAIM_WAITS = 3  # claims one request waits on, one after the other
 LOADED_KEPT = 65_536  # blocks loaded lately remembered at most (TierIO._loaded)
 
 
@@ -69,10 +74,10 @@ class TierIO:
         if req.tier_lookup is not None:
             self._pending.append(req)
 
-    def _lookup(self, req: Request, after_wait: bool = False) -> TierLookup | None:
+    def _lookup(self, req: Request, waited_on: tuple[bytes, ...] = ()) -> TierLookup | None:
         """The lookup of the prompt's blocks past the local prefix, None where the pool holds
-        them all. ``after_wait``: a lookup again after waiting on another replica's claim (it
-        is not waited on twice)."""
+        them all. ``waited_on``: the claims the request waited on before this lookup (none
+        is waited on twice)."""
         kv = self.kv
         hashes = req.prompt_hashes(kv.hasher(req.namespace))
         max_blocks = (req.num_prompt_tokens - 1) // kv.block_size
@@ -81,10 +86,12 @@ class TierIO:
             return None
         parent = hashes[k - 1] if k else kv.hasher(req.namespace).root
         return TierLookup(
-            self.tier.lookup(hashes[k:max_blocks], parent, self._loaded_of(hashes[:k])),
+            self.tier.lookup(
+                hashes[k:max_blocks], parent, self._loaded_of(hashes[:k]), req.tier_claim
+            ),
             k,
             time.perf_counter() + self.tier.config.lookup_wait_s,
-            waited=after_wait,
+            waited_on=waited_on,
         )
 
     def _loaded_of(self, hashes: list[bytes]) -> list[bytes]:
@@ -120,7 +127,7 @@ class TierIO:
                 if self._still_claimed(lookup, now):
                     still.append(req)
                 else:  # released (its blocks written), or waited long enough: look again
-                    req.tier_lookup = self._lookup(req, after_wait=True)
+                    req.tier_lookup = self._lookup(req, lookup.waited_on + (lookup.claim,))
                     if req.tier_lookup is not None:
                         still.append(req)
             elif not lookup.fetch.done():
@@ -133,17 +140,29 @@ class TierIO:
                 found, claimed, busy = lookup.fetch.result()
                 req.tier_lookup = None
                 req.tier_answered_at = now
-                if found:
-                    self._install(req, lookup.start_block, found)
                 if claimed is not None:
                     if req.tier_claim is not None and req.tier_claim != claimed:
                         self.tier.release(req.tier_claim)  # a lookup again claimed further on
                     req.tier_claim = claimed
-                elif busy is not None and not lookup.waited:
+                if found and not self._install(req, lookup.start_block, found):
+                    # the pool evicted part of the local prefix while the lookup ran, so the
+                    # blocks found start past what is left of it: look again from there
+                    self.tier.relooks_evicted += 1
+                    req.tier_lookup = self._lookup(req, lookup.waited_on)
+                    if req.tier_lookup is not None:
+                        still.append(req)
+                elif (
+                    busy is not None
+                    and claimed is None
+                    and busy not in lookup.waited_on
+                    and len(lookup.waited_on) < MAX_CLAIM_WAITS
+                ):
                     j = lookup.start_block + len(found)
                     deadline = now + self.tier.config.claim_wait_s
                     held = self.tier.claim_held(busy)
-                    req.tier_lookup = TierLookup(held, j, deadline, busy, now + 0.1)
+                    req.tier_lookup = TierLookup(
+                        held, j, deadline, busy, now + 0.1, waited_on=lookup.waited_on
+                    )
                     self.tier.claim_waits += 1
                     still.append(req)
         self._pending = still
@@ -187,14 +206,17 @@ class TierIO:
             self.tier.release(req.tier_claim)
             req.tier_claim = None
 
-    def _install(self, req: Request, start: int, found: list[TierBlock]) -> None:
+    def _install(self, req: Request, start: int, found: list[TierBlock]) -> bool:
+        """Copy the blocks a lookup found (from prompt block ``start`` on) into the pool and
+        index them; False, installing nothing, where the local prefix no longer reaches
+        ``start`` (evicted while the lookup ran)."""
         kv = self.kv
         bs = kv.block_size
         hashes = req.prompt_hashes(kv.hasher(req.namespace))
         local = kv.find_cached_prefix(req.prompt_token_ids, req.namespace, hashes)
         k = len(local.blocks)
         if k < start:  # part of the local prefix was evicted meanwhile
-            return
+            return False
         todo: list[tuple[int, TierBlock]] = []  # (prompt block, its tier block)
         for i, blk in enumerate(found):
             j = start + i
@@ -207,14 +229,14 @@ class TierIO:
         reclaimed = sum(1 for b in local.blocks if b.ref_cnt == 0)
         todo = todo[: max(0, kv.pool.num_free - reclaimed)]
         if not todo:
-            return
+            return True
         # the hold keeps the local prefix from eviction while the fresh blocks are taken
         held = kv.hold(local.blocks)
         try:
             fresh = kv.hold_new(held, len(todo))
         except NoFreeBlocksError:
             kv.release(held)
-            return
+            return True
         self.runner.write_blocks([b.block_id for b in fresh], [blk.payload for _, blk in todo])
         for block, (j, blk) in zip(fresh, todo, strict=True):
             parent = hashes[j - 1] if j else kv.hasher(req.namespace).root
@@ -222,6 +244,7 @@ class TierIO:
                 req.tier_loaded.add(blk.block_hash)
         self._note_loaded([blk.block_hash for _, blk in todo])
         kv.release(held)
+        return True
 
     def write_through(self, newly: list) -> None:
         """Hand newly indexed blocks (block, hash, parent hash, token ids) to the tier: their
