@@ -106,16 +106,23 @@ def test_a_long_manual_is_answered_from_the_part_holding_the_answer(api):
     assert api.get(f"/v1/manuals/{m['id']}/parts", params={"question": "x"}).status_code == 404
 
 
+def _chosen_holds(api, head: str, tail: str, question: str, passage: str) -> None:
+    """TYPING between ``head`` and ``tail`` as one manual: the part chosen for ``question``
+    holds ``passage`` (which is not in the first part)."""
+    text = f"Revision {uuid.uuid4().hex}\n\n{head}{TYPING}{tail}"
+    m = _upload(api, text)
+    holder = _holding(m, text, passage)
+    assert 0 not in holder
+    ranked = api.get(f"/v1/manuals/{m['id']}/parts", params={"question": question}).json()
+    assert ranked["chosen"] in holder, ranked
+    assert api.delete(f"/v1/manuals/{m['id']}").status_code == 204
+
+
 def test_a_placeholder_of_a_definition_is_a_word_to_search(api):
     """``--slow <kilobaud>``: Postgres's text parser reads ``<kilobaud>`` as a markup tag and
     indexes nothing of it unless told otherwise (migrations/versions/0004)."""
     tail = "\n\nOPTIONS\n       --slow <kilobaud>\n\t      Sends at most this many bits.\n"
-    text = f"Revision {uuid.uuid4().hex}\n\n{TYPING}{tail}"
-    m = _upload(api, text)
-    question = "Which one is in kilobaud?"
-    ranked = api.get(f"/v1/manuals/{m['id']}/parts", params={"question": question}).json()
-    assert ranked["chosen"] in _holding(m, text, "--slow <kilobaud>"), ranked
-    assert api.delete(f"/v1/manuals/{m['id']}").status_code == 204
+    _chosen_holds(api, "", tail, "Which one is in kilobaud?", "--slow <kilobaud>")
 
 
 def test_a_summary_entry_counts_for_the_definition_it_sums_up(api):
@@ -133,26 +140,15 @@ def test_a_summary_entry_counts_for_the_definition_it_sums_up(api):
         "\t      socket, in units per second.\n\n"
         "\t      If it is given twice, the last rate counts.\n"
     )
-    text = f"Revision {uuid.uuid4().hex}\n\n{head}{TYPING}{tail}"
-    m = _upload(api, text)
-    holder = _holding(m, text, "       --bwlimit=RATE\n")
-    assert 0 not in holder
     question = "How do I limit the bandwidth?"
-    ranked = api.get(f"/v1/manuals/{m['id']}/parts", params={"question": question}).json()
-    assert ranked["chosen"] in holder, ranked
-    assert api.delete(f"/v1/manuals/{m['id']}").status_code == 204
+    _chosen_holds(api, head, tail, question, "       --bwlimit=RATE\n")
 
 
 def test_an_english_stop_word_of_a_definition_is_a_word_to_search(api):
     """Postgres's english configuration drops "only" and "once" when it indexes; the
     question decides which words count, on both databases alike (migrations/versions/0005)."""
     tail = "\n\nOPTIONS\n       --solo\n\t      Runs only once.\n"
-    text = f"Revision {uuid.uuid4().hex}\n\n{TYPING}{tail}"
-    m = _upload(api, text)
-    question = "Only once?"
-    ranked = api.get(f"/v1/manuals/{m['id']}/parts", params={"question": question}).json()
-    assert ranked["chosen"] in _holding(m, text, "--solo"), ranked
-    assert api.delete(f"/v1/manuals/{m['id']}").status_code == 204
+    _chosen_holds(api, "", tail, "Only once?", "--solo")
 
 
 def test_a_manual_that_fits_is_one_part_and_its_prompt_is_unchanged(api, tokenizer):
