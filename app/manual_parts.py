@@ -240,7 +240,6 @@ async def rank_parts(conn, manual_id: str, query: str) -> list[PartScore]:
         return min(tf, 1) + HEADING_WEIGHT * min(th, 1) + TERM_WEIGHT * min(tt, 1)
 
     terms: dict[int, str] = {}
-    sizes: dict[int, int] = {}  # each passage's characters
     if conn.dialect.name == "postgresql":
         # the question's words less the stop words FTS5's search leaves out too (english's
         # own list drops the rest)
@@ -249,7 +248,7 @@ async def rank_parts(conn, manual_id: str, query: str) -> list[PartScore]:
         rows = (await conn.execute(_PG_TERMS, params)).all()
         for lexeme, sid, part, term, n, *tfs in rows:
             hits.setdefault(lexeme, []).append((sid, n, weighted(*tfs)))
-            part_of[sid], terms[sid], sizes[sid] = part, term, n
+            part_of[sid], terms[sid] = part, term
     else:
         for word in fts5_terms(query):
             params = {
@@ -262,7 +261,6 @@ async def rank_parts(conn, manual_id: str, query: str) -> list[PartScore]:
             hits[word] = [(sid, n, weighted(*tfs)) for sid, _, _, n, *tfs in rows]
             part_of.update((sid, part) for sid, part, *_ in rows)
             terms.update((sid, term) for sid, _, term, *_ in rows)
-            sizes.update((sid, n) for sid, _, _, n, *_ in rows)
     if not part_of:
         return []
     num, avg_len = (
@@ -277,6 +275,7 @@ async def rank_parts(conn, manual_id: str, query: str) -> list[PartScore]:
     for sid in scores:
         if named and named & defined_names(terms.get(sid, "")):
             scores[sid] *= 1 + NAMED_BOOST  # the definition of what the question names
+    sizes = {sid: n for rows in hits.values() for sid, n, _ in rows}  # passages' characters
     await _to_definitions(conn, manual_id, scores, part_of, terms, sizes)
     best = part_scores(scores, part_of)
     titles = dict(

@@ -221,8 +221,6 @@ def _indent(line: str) -> int:
 
 # a term of one or more comma-separated forms ("-z", "--compress, -z"), two spaces, its text
 _TERM_ON_LINE = re.compile(r"^\s*(\S{1,40}(?:, \S{1,40})*)\s{2,}\S")
-
-
 _TERM_THEN_TEXT = re.compile(r"^\s*(\S{1,40}) (\S.*)$")
 
 
@@ -265,22 +263,24 @@ def defined_term_of(paragraph: str) -> str | None:
     return _term_line(lines[0], lines[1] if len(lines) > 1 else None)
 
 
+STACKED_FORMS = 4  # the most forms of one term stacked over its text
+
+
 def _stacked_term(lines: Sequence[str]) -> tuple[str, int] | None:
     """A term of several forms stacked a line each over its text, as texinfo's and pod's
     pages lay out an option (``-m`` / ``--mirror`` / its text indented deeper): the forms
     joined (``-m, --mirror``) and how many lines they take; None for one line or none."""
     ind = _indent(lines[0]) if lines else 0
+    if ind == 0:
+        return None
     for j, line in enumerate(lines[:STACKED_FORMS]):
         form = line.strip()
-        if ind == 0 or not form or _indent(line) != ind or len(form) > 40 or "  " in form:
+        if not form or _indent(line) != ind or len(form) > 40 or "  " in form:
             return None
         following = lines[j + 1] if j + 1 < len(lines) else ""
         if following.strip() and _indent(following) > ind:
             return (", ".join(x.strip() for x in lines[: j + 1]), j + 1) if j else None
     return None
-
-
-STACKED_FORMS = 4  # the most forms of one term stacked over its text
 
 
 def _definitions(

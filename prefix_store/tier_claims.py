@@ -61,62 +61,69 @@ class TierClaims:
         if len(found) == len(block_hashes) or not self._up:
             return found, None, None
         missing = block_hashes[len(found)]
-        ttl_ms = int(self.config.claim_ttl_s * 1000)
         try:
             held = self._claimed_by_others(before + block_hashes[: len(found)])
             if held is not None:
                 return found, None, held
-            key = self._claim_prefix + missing.hex().encode()
-            if self._client.set(key, self.owner, nx=True, px=ttl_ms):
-                with self._lock:
-                    self._held_claims.add(missing)
+            if self._claim(missing):
                 return found, missing, None
-            holder = self._client.get(key)
+            holder = self._client.get(self._claim_key(missing))
             if holder is not None and holder.decode() == self.owner and missing != mine:
                 # another request of this process claims that block, and its prompt may part
                 # from this one's after it: this one claims the first block past it nobody
                 # claims (not again where it holds one: ``mine``)
                 after = block_hashes[len(found) + 1 : len(found) + 1 + OWN_CLAIM_SCAN]
-                claimed, busy = self._claim_after_own(after, ttl_ms, mine)
+                claimed, busy = self._claim_after_own(after, mine)
                 return found, claimed, busy
         except self._redis_errors:
             return found, None, None  # no claims without Redis: compute
         busy = holder is not None and holder.decode() != self.owner
         return found, None, missing if busy else None
 
+    def _claim_key(self, block_hash: bytes) -> bytes:
+        return self._claim_prefix + block_hash.hex().encode()
+
+    def _claim(self, block_hash: bytes) -> bool:
+        """Claim ``block_hash`` for this process unless someone holds it (SET NX, the TTL)."""
+        ttl_ms = int(self.config.claim_ttl_s * 1000)
+        if not self._client.set(self._claim_key(block_hash), self.owner, nx=True, px=ttl_ms):
+            return False
+        with self._lock:
+            self._held_claims.add(block_hash)
+        return True
+
+    def _holders(self, block_hashes: list[bytes]) -> list:
+        """Each block's claim holder (bytes), None where unclaimed, or the error (one
+        pipeline)."""
+        pipe = self._client.pipeline(transaction=False)
+        for h in block_hashes:
+            pipe.get(self._claim_key(h))
+        return pipe.execute(raise_on_error=False)
+
     def _claim_after_own(
-        self, block_hashes: list[bytes], ttl_ms: int, mine: bytes | None
+        self, block_hashes: list[bytes], mine: bytes | None
     ) -> tuple[bytes | None, bytes | None]:
         """Claim the first of these blocks nobody claims, passing those this process claims:
         (the block claimed, None), or (None, the block another process claims first), or
         (None, None) where this process claims them all or the request's own claim ``mine``
         comes first."""
-        pipe = self._client.pipeline(transaction=False)
-        for h in block_hashes:
-            pipe.get(self._claim_prefix + h.hex().encode())
-        for h, holder in zip(block_hashes, pipe.execute(raise_on_error=False), strict=True):
+        for h, holder in zip(block_hashes, self._holders(block_hashes), strict=True):
             if h == mine:
                 return None, None
             if isinstance(holder, bytes) and holder.decode() == self.owner:
                 continue
             if holder is not None:  # another process's (or an error: leave it)
                 return None, h if isinstance(holder, bytes) else None
-            key = self._claim_prefix + h.hex().encode()
-            if self._client.set(key, self.owner, nx=True, px=ttl_ms):
-                with self._lock:
-                    self._held_claims.add(h)
+            if self._claim(h):
                 return h, None
             return None, h  # taken since: by another process, or this one (then none waits)
         return None, None
 
     def _claimed_by_others(self, block_hashes: list[bytes]) -> bytes | None:
-        """The last of these blocks another process claims, or None (one pipeline)."""
+        """The last of these blocks another process claims, or None."""
         if not block_hashes:
             return None
-        pipe = self._client.pipeline(transaction=False)
-        for h in block_hashes:
-            pipe.get(self._claim_prefix + h.hex().encode())
-        holders = pipe.execute(raise_on_error=False)
+        holders = self._holders(block_hashes)
         for h, holder in zip(reversed(block_hashes), reversed(holders), strict=True):
             if isinstance(holder, bytes) and holder.decode() != self.owner:
                 return h
@@ -127,7 +134,7 @@ class TierClaims:
 
         def held() -> bool:
             try:
-                holder = self._client.get(self._claim_prefix + block_hash.hex().encode())
+                holder = self._client.get(self._claim_key(block_hash))
             except self._redis_errors:
                 return False
             return holder is not None and holder.decode() != self.owner
@@ -157,7 +164,7 @@ class TierClaims:
             return
         ttl_ms = int(self.config.claim_ttl_s * 1000)
         for h in block_hashes:
-            key = self._claim_prefix + h.hex().encode()
+            key = self._claim_key(h)
             try:
                 self._client.eval(self._RENEW, 1, key, self.owner, ttl_ms)
             except self._redis_errors:
@@ -181,5 +188,4 @@ class TierClaims:
     )
 
     def _release_claim(self, block_hash: bytes) -> None:
-        key = self._claim_prefix + block_hash.hex().encode()
-        self._client.eval(self._RELEASE, 1, key, self.owner)
+        self._client.eval(self._RELEASE, 1, self._claim_key(block_hash), self.owner)

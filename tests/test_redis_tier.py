@@ -37,6 +37,14 @@ def _run(engine: LLMEngine, ids: list[int], use_cache: bool = True, max_tokens: 
     return req
 
 
+def _manual_written(eng: LLMEngine, builder: PromptBuilder):
+    """The manual computed by a first question and written to Redis; returns the prompt of
+    another question about it."""
+    _run(eng, builder.build(MANUAL, QUESTIONS[0]).token_ids)
+    assert eng.tier.flush().result(30)
+    return builder.build(MANUAL, QUESTIONS[2])
+
+
 @pytest.fixture
 def prefix():
     p = f"{RUN_REDIS_PREFIX}tier-{time.monotonic_ns()}:"
@@ -92,10 +100,7 @@ def test_evicted_manual_is_loaded_back_from_redis(default_model_dir, prefix):
     eng = _engine(default_model_dir, prefix, gib=0.04)  # about 1,800 tokens
     try:
         builder = PromptBuilder(eng.tokenizer)
-        p1 = builder.build(MANUAL, QUESTIONS[0]).token_ids
-        p2 = builder.build(MANUAL, QUESTIONS[2])
-        _run(eng, p1)
-        assert eng.tier.flush().result(30)
+        p2 = _manual_written(eng, builder)
 
         def local_hit() -> int:
             return eng.kv_manager.find_cached_prefix(p2.token_ids).num_cached_tokens
@@ -135,10 +140,7 @@ def test_a_local_prefix_evicted_while_its_lookup_runs_is_looked_up_again(default
     eng = _engine(default_model_dir, prefix)
     try:
         builder = PromptBuilder(eng.tokenizer)
-        p1 = builder.build(MANUAL, QUESTIONS[0]).token_ids
-        p2 = builder.build(MANUAL, QUESTIONS[2])
-        _run(eng, p1)
-        assert eng.tier.flush().result(30)
+        p2 = _manual_written(eng, builder)
         _evict_after(eng, p2.token_ids, 8)
         req = eng.add_request(p2.token_ids, SamplingParams(max_tokens=12))
         assert req.tier_lookup is not None and req.tier_lookup.start_block == 8

@@ -127,9 +127,7 @@ class TierIO:
                 if self._still_claimed(lookup, now):
                     still.append(req)
                 else:  # released (its blocks written), or waited long enough: look again
-                    req.tier_lookup = self._lookup(req, lookup.waited_on + (lookup.claim,))
-                    if req.tier_lookup is not None:
-                        still.append(req)
+                    self._look_again(req, lookup.waited_on + (lookup.claim,), still)
             elif not lookup.fetch.done():
                 if now > lookup.deadline:  # a slow Redis: compute instead of waiting
                     req.tier_lookup = None
@@ -148,12 +146,9 @@ class TierIO:
                     # the pool evicted part of the local prefix while the lookup ran, so the
                     # blocks found start past what is left of it: look again from there
                     self.tier.relooks_evicted += 1
-                    req.tier_lookup = self._lookup(req, lookup.waited_on)
-                    if req.tier_lookup is not None:
-                        still.append(req)
-                elif (
+                    self._look_again(req, lookup.waited_on, still)
+                elif (  # a lookup that claims a block finds no other's claim (busy is None)
                     busy is not None
-                    and claimed is None
                     and busy not in lookup.waited_on
                     and len(lookup.waited_on) < MAX_CLAIM_WAITS
                 ):
@@ -166,6 +161,13 @@ class TierIO:
                     self.tier.claim_waits += 1
                     still.append(req)
         self._pending = still
+
+    def _look_again(self, req: Request, waited_on: tuple[bytes, ...], still: list) -> None:
+        """A new lookup for ``req`` (kept pending in ``still`` unless the pool holds its
+        prompt)."""
+        req.tier_lookup = self._lookup(req, waited_on)
+        if req.tier_lookup is not None:
+            still.append(req)
 
     def relook(self, req: Request, uncached_blocks: int) -> bool:
         """Before a request computes ``uncached_blocks`` full blocks of its prompt, on the word
