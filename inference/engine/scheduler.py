@@ -261,11 +261,13 @@ class Scheduler:
         decoding = [r for r in self.running if _decoding(r)]
         if not decoding or not self.drafts.outcomes.may_draft(len(decoding)):
             return {}
-        cfg = self.drafts.config
+        cfg, rows = self.drafts.config, len(decoding)
+        max_rows = min(cfg.max_step_rows, max(budget, rows))
+        drafting = [r for r in decoding if r.speculate]
+        if not self.drafts.may_pay(drafting, rows, max_rows):
+            return {}
         proposals = {}
-        for req in decoding:
-            if not req.speculate:
-                continue
+        for req in drafting:
             room = min(
                 cfg.max_draft_tokens,
                 req.params.max_tokens - len(req.output_token_ids) - 1,
@@ -276,8 +278,7 @@ class Scheduler:
                 proposals[req] = tokens
         if not proposals:
             return {}
-        rows = len(decoding)
-        return self.drafts.plan(proposals, rows, min(cfg.max_step_rows, max(budget, rows)))
+        return self.drafts.plan(proposals, rows, max_rows)
 
     # -- admission --------------------------------------------------------------------------------
     def prompt_hashes(self, req: Request) -> list[bytes]:

@@ -23,16 +23,19 @@ of one, in one namespace): a question asked again, or answered in an earlier ans
 drafts from those answers.
 
 ``DraftPolicy`` keeps speculation from losing. A drafted token is worth the chance that it
-is accepted: the request's recent acceptance rate (a drafted token held after its
-predecessor did; a new request starts from the engine's) to the power of its place in the
-draft. A step's cost by its rows is measured (``StepCost``: forward passes timed at start,
-then the engine's own steps). Each step takes the most valuable drafted tokens of all
-decoding requests while the step's expected tokens per second grow: at one request a few
-rows cost little and drafts are long; under load the batch's rows already fill the
-products, extra rows cost nearly their share, and only drafts likely to hold are taken; a
-request whose drafts keep missing drafts nothing until its acceptance recovers (it is
-verified again only when rows are nearly free). bench/speculation.py measures the costs
-and the gains.
+is accepted: the chance that the request's first drafted token holds, times the chance
+that a drafted token holds after its predecessor did for each token before it (both the
+request's recent rates; a new request starts from the engine's). The two differ: a draft
+often starts wrong, and once it starts right it follows a quoted run (the plain answers of
+bench/speculation.py: 0.28-0.32 against 0.77), so one rate for both would overprice a
+draft's first token and underprice its tenth. A step's cost by its rows is measured
+(``StepCost``: forward passes timed at start, then the engine's own steps). Each step
+takes the most valuable drafted tokens of all decoding requests while the step's expected
+tokens per second grow: at one request a few rows cost little and drafts are long; under
+load the batch's rows already fill the products, extra rows cost nearly their share, and
+only drafts likely to hold are taken; a request whose drafts keep missing drafts nothing
+until its acceptance recovers (it is verified again only when rows are nearly free).
+bench/speculation.py measures the costs and the gains.
 """
 
 from __future__ import annotations
@@ -289,15 +292,36 @@ class StepCost:
             self.scale += (ratio - self.scale) * 0.1
 
 
+class Rate:
+    """A decayed rate of hits over trials."""
+
+    __slots__ = ("hits", "trials")
+
+    def __init__(self, hits: float = 0.0, trials: float = 0.0):
+        self.hits, self.trials = hits, trials
+
+    def add(self, hits: int, trials: int, decay: float) -> None:
+        self.hits = self.hits * decay + hits
+        self.trials = self.trials * decay + trials
+
+    def prior(self, rate: float, weight: float) -> float:
+        """The rate, starting from ``rate`` as if from ``weight`` trials."""
+        return (self.hits + weight * rate) / (self.trials + weight)
+
+    @property
+    def value(self) -> float:
+        return self.hits / self.trials
+
+
 class DraftState:
     """One request's drafting: its index, its recent acceptance and its counts."""
 
-    __slots__ = ("index", "hits", "trials", "drafted", "accepted", "steps")
+    __slots__ = ("index", "first", "then", "drafted", "accepted", "steps")
 
     def __init__(self, config: SpeculationConfig):
         self.index = NgramIndex(config.min_ngram, config.max_ngram)
-        self.hits = 0.0  # decayed: drafted tokens accepted
-        self.trials = 0.0  # decayed: drafted tokens verified up to the first rejected one
+        self.first = Rate()  # whether a draft's first token held
+        self.then = Rate()  # whether a drafted token held after its predecessor did
         self.drafted = 0  # drafted tokens verified
         self.accepted = 0  # of those, equal to the answer's tokens
         self.steps = 0  # verification steps
@@ -313,7 +337,11 @@ class StepOutcomes:
     which are its own), the tokens per second of steps with drafts and of steps
     without (moving averages of tokens over wall seconds, decode and verification steps
     only). Where drafting measures slower than not drafting, steps of that size draft only
-    now and then (every ``RETRY``-th), to see whether it pays again; where it pays or is not
+    now and then, to see whether it pays again: ``RETRY`` steps after it measured slower, then
+    twice as many after each retry that still measured slower, up to ``RETRY_MAX`` (a retry
+    costs what a losing step does: 16 requests with a drafted row each take 1.9x a plain
+    step on 2 Zen 4 cores, so a retry every 16th step would cost the batch about 5% of its
+    tokens per second for good); where it pays or is not
     yet measured, a step without drafts is forced when none ran for ``PLAIN_EVERY`` steps
     (``PLAIN_EVERY_WINNING`` where drafting is well ahead; every other step until
     ``SEEN`` plain steps were seen), so that the comparison stays current. The cost model
@@ -321,7 +349,8 @@ class StepOutcomes:
 
     PLAIN_EVERY = 16  # steps of a bucket with drafts at most between two without
     PLAIN_EVERY_WINNING = 64  # the same where drafting measured a quarter faster or more
-    RETRY = 16  # steps of a losing bucket between two with drafts
+    RETRY = 16  # steps of a losing bucket between two with drafts, at first
+    RETRY_MAX = 512  # ... doubled after each retry that still lost, up to this
     SEEN = 8  # steps of each kind before their rates are compared
     RATE = 0.2  # the averages' weight of a new step
 
@@ -353,7 +382,7 @@ class StepOutcomes:
         if b.plain_steps < self.SEEN:  # learning the plain rate: every other step plain
             return b.since_plain == 0
         if self._losing(b):
-            return b.since_drafted >= self.RETRY
+            return b.since_drafted >= (b.retry or self.RETRY)
         winning = self._seen(b) and b.drafted_rate >= 1.25 * b.plain_rate
         return b.since_plain < (self.PLAIN_EVERY_WINNING if winning else self.PLAIN_EVERY)
 
@@ -363,9 +392,14 @@ class StepOutcomes:
             return
         b, rate = self._at(seqs), tokens / seconds
         if drafted:
+            retried = self._losing(b)
             b.drafted_rate = b.average(b.drafted_rate, b.drafted_steps, rate, self.RATE)
             b.drafted_steps += 1
             b.since_drafted, b.since_plain = 0, b.since_plain + 1
+            if not self._losing(b):
+                b.retry = 0
+            elif retried:
+                b.retry = min(2 * (b.retry or self.RETRY), self.RETRY_MAX)
         else:
             b.plain_rate = b.average(b.plain_rate, b.plain_steps, rate, self.RATE)
             b.plain_steps += 1
@@ -383,6 +417,7 @@ class _Bucket:
     plain_steps: int = 0
     since_drafted: int = 0
     since_plain: int = 0
+    retry: int = 0  # steps between two retries while losing (0: ``StepOutcomes.RETRY``)
 
     @staticmethod
     def average(avg: float, n: int, value: float, weight: float) -> float:
@@ -398,20 +433,23 @@ class DraftPolicy:
         self.cost = cost or StepCost()
         self.outcomes = StepOutcomes()
         self.bank = AnswerBank(config.min_ngram, config.max_ngram)
-        self.hits = 1.0  # the engine's acceptance (decayed), every request's prior
-        self.trials = 2.0
+        # the engine's rates (decayed), every request's prior
+        self.first, self.then = Rate(1.0, 2.0), Rate(1.0, 2.0)
 
     def state(self, req) -> DraftState:
         if req.draft is None:
             req.draft = DraftState(self.config)
         return req.draft
 
-    def acceptance(self, req) -> float:
-        """The chance that a drafted token is accepted after its predecessor was: the
-        request's recent verifications, starting from the engine's."""
+    def acceptance(self, req) -> tuple[float, float]:
+        """The chance that the request's first drafted token holds, and that a drafted token
+        holds after its predecessor did: its recent verifications, starting from the
+        engine's."""
         st, prior = self.state(req), self.config.prior_tokens
-        engine = self.hits / self.trials
-        return (st.hits + prior * engine) / (st.trials + prior)
+        return (
+            st.first.prior(self.first.value, prior),
+            st.then.prior(self.then.value, prior),
+        )
 
     def propose(self, req, room: int) -> list[int]:
         """Up to ``room`` tokens after the request's tokens: what followed the most recent
@@ -438,6 +476,24 @@ class DraftPolicy:
                     return draft
         return []
 
+    def may_pay(self, reqs, num_rows: int, max_rows: int) -> bool:
+        """Whether drafts of ``reqs`` could pay for their rows in a step of ``num_rows`` rows
+        without them (``max_rows`` at most): whether some number of drafted tokens, each as
+        likely as the likeliest request's first, would raise the step's expected tokens per
+        second. Where not, ``plan`` takes no draft of theirs, so nothing need be proposed
+        (16 requests' lookups take 0.5 ms a step, 2-3% of their step, for drafts that
+        would not be taken)."""
+        if not reqs or max_rows <= num_rows:
+            return False
+        a = max(self.acceptance(r)[0] for r in reqs)  # no drafted token is likelier
+        rate = num_rows / self.cost(num_rows, num_rows)
+        most = min(max_rows, num_rows + len(reqs) * self.config.max_draft_tokens)
+        # the cost is linear in the rows between the timed points, so a drafted row's average
+        # extra cost over the first e is lowest at e = 1, at a point or at the most rows
+        ends = {1, most - num_rows}
+        ends.update(r - num_rows for r, _ in self.cost.points if num_rows < r < most)
+        return any((num_rows + e * a) / self.cost(num_rows, num_rows + e) > rate for e in ends)
+
     def plan(self, proposals: dict, num_rows: int, max_rows: int) -> dict:
         """The drafts a step carries: of the proposals (request -> tokens), for a step of
         ``num_rows`` rows without them (each decoding request's next token), the tokens
@@ -446,10 +502,10 @@ class DraftPolicy:
         ``max_rows`` rows in all. Returns request -> the draft it carries."""
         cands = []
         for req, tokens in proposals.items():
-            a, p = self.acceptance(req), 1.0
+            p, then = self.acceptance(req)
             for j in range(len(tokens)):
-                p *= a
                 cands.append((-p, j, id(req), req))
+                p *= then
         cands.sort(key=lambda c: c[:3])
         room = min(len(cands), max_rows - num_rows)
         best, best_rate, tokens = 0, num_rows / self.cost(num_rows, num_rows), float(num_rows)
@@ -469,8 +525,12 @@ class DraftPolicy:
         st.drafted += drafted
         st.accepted += accepted
         st.steps += 1
-        trials = accepted + (accepted < drafted)  # up to the first rejected one
-        st.hits = st.hits * d + accepted
-        st.trials = st.trials * d + trials
-        self.hits = self.hits * 0.99 + accepted
-        self.trials = self.trials * 0.99 + trials
+        if drafted <= 0:
+            return
+        held = int(accepted > 0)
+        # the tokens after the first verified with their predecessor held: up to the first
+        # rejected one
+        later = accepted - 1 + (accepted < drafted) if held else 0
+        for rates, decay in ((st, d), (self, 0.99)):
+            rates.first.add(held, 1, decay)
+            rates.then.add(max(accepted - 1, 0), later, decay)
