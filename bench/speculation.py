@@ -3,11 +3,13 @@
     .venv/bin/python bench/speculation.py [--max-tokens 128] [--dtype auto] [--repeats 2]
         [--json bench/results/speculation-DATE.json]
 
-Two engines of the default model, one with ``speculate="off"`` and one with prompt-lookup
-drafts (a question's draft group is its manual), each with the bundled tarx manual and the
-tests' pump manual cached. Two question sets per manual: answers that quote the manual
-(how-to, which option, what a message means) and answers that do not (yes/no, opinions,
-summaries in other words).
+One engine of the default model with prompt-lookup drafts (a question's draft group is its
+manual), the bundled tarx manual and the tests' pump manual cached; plain decoding is the
+same engine's requests with ``speculate=False`` (and no draft group): the same weights, pool
+and memory, so the comparison is not one of two engines' memory placements (two engines in
+one process differed by 2-6% a step on the same work, by the order they were made in).
+Two question sets per manual: answers that quote the manual (how-to, which option, what a
+message means) and answers that do not (yes/no, opinions, summaries in other words).
 
 1. **Step cost of extra rows**: N requests (1, 4, 16) decoding after a manual, each carrying
    0, 1, 3, 7 or 15 drafted rows; the median forward pass of ``--step-repeats`` passes of each
@@ -18,7 +20,12 @@ summaries in other words).
    questions before it about the same manual (its draft group; never its own earlier
    answer): decode tokens/s (the answer's tokens after the first over the time from first
    token to last), the acceptance rate (accepted over drafted tokens), the mean tokens a
-   decode step produced, and whether the answers are the same token for token.
+   decode step produced, and whether the answers are the same token for token. Then the
+   ceiling (``ceiling``): the plain answers replayed with verification free, tokens per step
+   with the engine's drafts and with the best of every earlier occurrence (a tree of all
+   candidate drafts), and what either gives one request at the costs its steps took in
+   these runs, by rows: drafts of the best single length, and a bound with every draft cut
+   to the run that holds.
 3. **Asked again**: every question a second time alone, its first answer among the
    group's: the same figures.
 4. **16 clients**: 16 questions of a set at once on each engine (an in-process batch), with
@@ -106,11 +113,7 @@ OTHER = {
 }
 
 
-def _engines(dtype: str) -> dict[str, LLM]:
-    return {
-        mode: LLM(dtype=dtype, kv_cache_gib=0.5, speculate=mode)
-        for mode in ("off", "prompt-lookup")
-    }
+MODES = ("off", "prompt-lookup")  # a request's speculate=False, and True
 
 
 def _prompts(llm: LLM, questions: dict[str, list[str]]) -> list[list[int]]:
@@ -123,14 +126,16 @@ def _groups(questions: dict[str, list[str]]) -> list[str]:
     return [m for m, qs in questions.items() for _ in qs]
 
 
-def _run(llm: LLM, prompts: list[list[int]], max_tokens: int, groups=None):
-    """The prompts at once (``groups``: their draft groups); (requests, wall seconds)."""
+def _run(llm: LLM, prompts: list[list[int]], max_tokens: int, groups=None, mode="off"):
+    """The prompts at once, drafting (``mode``) or not (``groups``: their draft groups, where
+    they draft; a plain answer joins no group); (requests, wall seconds)."""
     eng = llm.engine
     params = SamplingParams(max_tokens=max_tokens)
-    groups = groups or [None] * len(prompts)
+    spec = mode != "off"
+    groups = groups if groups and spec else [None] * len(prompts)
     t0 = time.perf_counter()
     pairs = zip(prompts, groups, strict=True)
-    reqs = [eng.add_request(ids, params, draft_group=g) for ids, g in pairs]
+    reqs = [eng.add_request(ids, params, speculate=spec, draft_group=g) for ids, g in pairs]
     while not all(r.finished for r in reqs):
         eng.step()
     wall = time.perf_counter() - t0
@@ -192,6 +197,132 @@ def index_costs() -> dict:
     return {"build_ms": build * 1000, "lookup_us": lookup * 1e6, "extend_us": extend * 1e6}
 
 
+def _agreement(src: list[int], f: int, end: int, answer: list[int], i: int, cap: int) -> int:
+    """How many tokens of ``src`` from ``f`` (before ``end``) equal ``answer``'s from ``i``."""
+    n = 0
+    while n < cap and f + n < end and i + n < len(answer) and src[f + n] == answer[i + n]:
+        n += 1
+    return n
+
+
+def _steps(runs: list[int], k: int) -> int:
+    """Decode steps of an answer whose position i would accept ``runs[i]`` drafted tokens
+    (position 0, the prefill's token, not counted), drafts of at most ``k`` tokens."""
+    i, steps = 1, 0
+    while i < len(runs):
+        i += min(runs[i], k) + 1
+        steps += 1
+    return steps
+
+
+def _starts(runs: list[int]) -> list[int]:
+    """The positions where decode steps start when each step's draft holds whole."""
+    i, out = 1, []
+    while i < len(runs):
+        out.append(i)
+        i += runs[i] + 1
+    return out
+
+
+def ceiling(config, reqs, groups, costs: list[dict]) -> dict:
+    """What drafts from earlier occurrences could give these plain answers (``reqs``, in the
+    order they were asked, each drafting from the earlier answers of its group), replayed
+    with verification free: at each position, the run of drafted tokens that would hold
+    (1) with the engine's draft (``DraftPolicy.propose``: the most recent occurrence of the
+    longest n-gram) and (2) with the best draft of all (every earlier occurrence of every
+    n-gram of ``min_ngram`` to ``max_ngram`` tokens, in the prompt, the answer so far and the
+    group's earlier answers: what a tree of every candidate draft verified at once would
+    hold). Tokens per decode step at drafts of at most k tokens; then, at the step costs of
+    ``costs`` (one request's steps by rows, as ``step_costs`` gives them; past the last row
+    count, its cost), the speedup of drafts of one length k at its best k, and a bound no
+    policy passes: each step's draft cut to exactly the run that holds, a
+    step costing its 1 + run rows (a tree of drafts costs at least the rows of its longest
+    path)."""
+    from inference.engine.sequence import Request
+    from inference.engine.speculate import DraftPolicy
+
+    kmax, lo, hi = config.max_draft_tokens, config.min_ngram, config.max_ngram
+    policy = DraftPolicy(config)
+    rule_runs, best_runs, earlier = [], [], {}
+    for r, group in zip(reqs, groups, strict=True):
+        prompt, answer = r.prompt_token_ids, r.output_token_ids
+        req = Request("replay", list(prompt), SamplingParams(), draft_group=group.encode())
+        seq, bank = prompt + answer, earlier.setdefault(group, [])
+        rule, best = [0], [0]
+        for i in range(1, len(answer)):
+            req.output_token_ids = answer[:i]
+            end = len(prompt) + i
+            draft = policy.propose(req, kmax)
+            rule.append(_agreement(draft, 0, len(draft), answer, i, kmax))
+            run = 0
+            for n in range(lo, min(hi, end) + 1):
+                tail = seq[end - n : end]
+                for src, stop in [(seq, end)] + [(b, len(b)) for b in bank]:
+                    for s in range(stop - n):
+                        if src[s : s + n] == tail:
+                            run = max(run, _agreement(src, s + n, stop, answer, i, kmax))
+            best.append(run)
+        rule_runs.append(rule)
+        best_runs.append(best)
+        policy.bank.add(group.encode(), answer)
+        bank.append(answer)
+    tokens = sum(len(a) - 1 for a in rule_runs)
+    one = sorted((c["extra_rows"], c["vs_plain"]) for c in costs if c["requests"] == 1)
+
+    def cost(k: int) -> float:  # a step of 1 + k rows over a plain one, between the points
+        for (k0, c0), (k1, c1) in zip(one, one[1:], strict=False):
+            if k <= k1:
+                return c0 + (c1 - c0) * (k - k0) / (k1 - k0)
+        return one[-1][1]
+
+    out = {"k": list(range(1, kmax + 1)), "engine_tokens_per_step": [], "best_tokens_per_step": []}
+    for k in out["k"]:
+        for name, runs in (("engine", rule_runs), ("best", best_runs)):
+            out[f"{name}_tokens_per_step"].append(tokens / sum(_steps(x, k) for x in runs))
+    for name, runs in (("engine", rule_runs), ("best", best_runs)):
+        at_k = [t / cost(k) for k, t in zip(out["k"], out[f"{name}_tokens_per_step"], strict=True)]
+        top = max(range(kmax), key=at_k.__getitem__)
+        out[f"{name}_speedup_at_k"], out[f"{name}_best_k"] = at_k[top], top + 1
+        # every step's draft exactly as long as the run that holds: the fewest rows
+        seconds = sum(cost(x[i]) for x in runs for i in _starts(x))
+        out[f"{name}_speedup_bound"] = tokens / seconds
+    return out
+
+
+class _StepTimes:
+    """The engine's own decode and verification steps while it answers one request at a
+    time, timed by their rows (1 + the draft's tokens): what a drafted row costs in the
+    runs themselves, for ``ceiling`` (the forward passes of ``step_costs``, timed apart,
+    moved between runs on this machine's neighbours more than the runs did)."""
+
+    def __init__(self, llm: LLM):
+        self.runner = llm.engine.runner
+        self.execute = self.runner.execute
+        self.times: dict[int, list[float]] = {}
+
+        def timed(sched):
+            t0 = time.perf_counter()
+            out = self.execute(sched)
+            if len(sched.chunks) == 1 and sched.num_decode_tokens == sched.num_tokens:
+                self.times.setdefault(sched.num_tokens, []).append(time.perf_counter() - t0)
+            return out
+
+        self.runner.execute = timed
+
+    def stop(self) -> None:
+        self.runner.execute = self.execute
+
+    def costs(self, least: int = 5) -> list[dict]:
+        """``step_costs``' rows for one request: each row count seen ``least`` times, its
+        median step over the plain one's."""
+        plain = statistics.median(self.times[1])
+        return [
+            {"requests": 1, "extra_rows": rows - 1, "rows": rows, "steps": len(t),
+             "ms": statistics.median(t) * 1000, "vs_plain": statistics.median(t) / plain}
+            for rows, t in sorted(self.times.items()) if len(t) >= least
+        ]  # fmt: skip
+
+
 def step_costs(llm: LLM, sizes: list[int], extras: list[int], repeats: int) -> list[dict]:
     """The median forward pass of N decoding requests carrying E drafted rows each."""
     eng = llm.engine
@@ -247,17 +378,15 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     torch.set_grad_enabled(False)
-    llms = _engines(args.dtype)
-    off, on = llms["off"], llms["prompt-lookup"]
+    llm = LLM(dtype=args.dtype, kv_cache_gib=0.5, speculate="prompt-lookup")
     out: dict = {
         "machine": platform.processor() or platform.machine(),
-        "dtype": str(off.engine.runner.dtype),
+        "dtype": str(llm.engine.runner.dtype),
         "threads": torch.get_num_threads(),
         "max_tokens": args.max_tokens,
-        "config": vars(on.engine.config.speculation),
+        "config": vars(llm.engine.config.speculation),
     }
-    for llm in (off, on):  # the manuals cached on both
-        _run(llm, _prompts(llm, {m: ["Hello?"] for m in MANUALS}), 1)
+    _run(llm, _prompts(llm, {m: ["Hello?"] for m in MANUALS}), 1)  # the manuals cached
 
     out["index"] = index_costs()
     print(
@@ -265,7 +394,7 @@ def main() -> int:
         "{lookup_us:.1f} us, a token added {extend_us:.1f} us".format(**out["index"])
     )
     print("step cost of drafted rows (median forward pass)")
-    steps = step_costs(off, [1, 4, 16], [0, 1, 3, 7, 15], args.step_repeats)
+    steps = step_costs(llm, [1, 4, 16], [0, 1, 3, 7, 15], args.step_repeats)
     out["step_costs"] = steps
     for r in steps:
         print(
@@ -274,28 +403,32 @@ def main() -> int:
         )
 
     out["sets"] = {}
-    policy = on.engine.drafts
+    policy = llm.engine.drafts
     for name, questions in (("quoting", QUOTING), ("other", OTHER)):
-        prompts, groups = _prompts(off, questions), _groups(questions)
-        # batch 1: each question alone, alternating engines, the best of the repeats; each
-        # repeat drafts from the answers of the questions before it (never its own)
+        prompts, groups = _prompts(llm, questions), _groups(questions)
+        # batch 1: each question alone, plain and drafting in turn, the best of the repeats;
+        # each repeat drafts from the answers of the questions before it (never its own)
         policy.bank.clear()
         alone: dict[str, list] = {"off": [], "prompt-lookup": []}
+        timed = _StepTimes(llm)
         for ids, g in zip(prompts, groups, strict=True):
             before = policy.bank.copy()
-            for mode in ("off", "prompt-lookup"):
+            for mode in MODES:
                 runs = []
                 for _ in range(args.repeats):
                     policy.bank = before.copy()
-                    runs.append(_run(llms[mode], [ids], args.max_tokens, [g])[0][0])
+                    runs.append(_run(llm, [ids], args.max_tokens, [g], mode)[0][0])
                 alone[mode].append(max(runs, key=lambda r: _decode_stats([r])["decode_tok_s"]))
         same1 = _same(alone["off"], alone["prompt-lookup"])
         s_off, s_on = _decode_stats(alone["off"]), _decode_stats(alone["prompt-lookup"])
+        timed.stop()
+        bound = ceiling(policy.config, alone["off"], groups, timed.costs())
+        bound["step_costs"] = timed.costs()
         # asked again: each question a second time alone, its first answer in the bank
         again = {
-            mode: [_run(llms[mode], [ids], args.max_tokens, [g])[0][0]
+            mode: [_run(llm, [ids], args.max_tokens, [g], mode)[0][0]
                    for ids, g in zip(prompts, groups, strict=True)]
-            for mode in ("off", "prompt-lookup")
+            for mode in MODES
         }  # fmt: skip
         a_off, a_on = _decode_stats(again["off"]), _decode_stats(again["prompt-lookup"])
         # 16 clients: the set's 16 questions at once, no earlier answers to draft from; the
@@ -303,9 +436,9 @@ def main() -> int:
         ratios, rates, same16 = [], [], True
         for rep in range(args.client_repeats):
             batch = {}
-            for mode in ("off", "prompt-lookup")[:: 1 if rep % 2 == 0 else -1]:
+            for mode in MODES[:: 1 if rep % 2 == 0 else -1]:
                 policy.bank.clear()
-                batch[mode] = _run(llms[mode], prompts[:16], args.max_tokens, groups[:16])
+                batch[mode] = _run(llm, prompts[:16], args.max_tokens, groups[:16], mode)
             same16 = same16 and _same(batch["off"][0], batch["prompt-lookup"][0])
             rate = {
                 mode: sum(len(r.output_token_ids) for r in reqs) / wall
@@ -323,6 +456,7 @@ def main() -> int:
             "batch1_acceptance": s_on["acceptance"],
             "batch1_tokens_per_step": s_on["tokens_per_step"],
             "batch1_same_answers": same1,
+            "batch1_ceiling": bound,
             "again_decode_tok_s": {"off": a_off["decode_tok_s"], "on": a_on["decode_tok_s"]},
             "again_speedup": a_on["decode_tok_s"] / a_off["decode_tok_s"],
             "again_tokens_per_step": a_on["tokens_per_step"],
@@ -341,6 +475,13 @@ def main() -> int:
             f"decode tok/s ({row['batch1_speedup']:.2f}x), acceptance "
             f"{s_on['acceptance']:.2f}, {s_on['tokens_per_step']:.2f} tokens/step, same "
             f"answers: {same1}\n"
+            f"         verified free (k = 1 .. {len(bound['k'])}): the engine's drafts "
+            f"{bound['engine_tokens_per_step'][-1]:.2f} tokens/step, every earlier occurrence "
+            f"{bound['best_tokens_per_step'][-1]:.2f}; at the steps' own costs "
+            f"{bound['engine_speedup_at_k']:.2f}x and {bound['best_speedup_at_k']:.2f}x at "
+            f"the best k ({bound['engine_best_k']}, {bound['best_best_k']}), at most "
+            f"{bound['engine_speedup_bound']:.2f}x and {bound['best_speedup_bound']:.2f}x "
+            "(each draft cut to what holds)\n"
             f"         asked again: {a_off['decode_tok_s']:6.1f} -> {a_on['decode_tok_s']:6.1f} "
             f"({row['again_speedup']:.2f}x), {a_on['tokens_per_step']:.2f} tokens/step, same "
             f"answers: {row['again_same_answers']}\n"
