@@ -11,6 +11,7 @@ import torch
 
 from bench.speculation import PUMP  # the pump manual of the benchmark and test_real_model
 from inference import LLM, SamplingParams
+from inference.engine.draft_costs import StepCost, StepOutcomes
 from inference.engine.sequence import Request
 from inference.engine.speculate import (
     SEPARATOR,
@@ -18,8 +19,6 @@ from inference.engine.speculate import (
     DraftPolicy,
     NgramIndex,
     SpeculationConfig,
-    StepCost,
-    StepOutcomes,
 )
 from prompts import PromptBuilder
 

@@ -21,11 +21,12 @@ import xxhash
 
 from inference.config import EngineConfig
 from inference.device import default_threads
+from inference.engine.draft_costs import StepCost
 from inference.engine.holds import PinTable
 from inference.engine.sampling_params import SamplingParams
 from inference.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from inference.engine.sequence import Request
-from inference.engine.speculate import DraftPolicy, StepCost
+from inference.engine.speculate import DraftPolicy
 from inference.engine.tier_io import TierIO
 from inference.errors import DocqaError, ModelError, PromptTooLongError
 from inference.kv_sizing import KVCacheSpec
