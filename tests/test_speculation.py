@@ -161,6 +161,16 @@ def test_a_drafts_first_token_and_the_tokens_after_a_held_one_have_rates_of_thei
     assert first * then**7 > 0.5 * first
     st = req.draft
     assert (st.drafted, st.accepted, st.steps) == (48, 24, 6)
+    # under load (a drafted row pays above 0.25 here), a request whose drafts start right and
+    # then miss drafts its first token alone: it is priced by the first rate, the next by both
+    cost = StepCost([(1, 0.010), (8, 0.010), (16, 0.016), (32, 0.020), (64, 0.060)])
+    policy = DraftPolicy(SpeculationConfig(), cost)
+    short = Request("s", [1, 2, 3], SamplingParams())
+    for _ in range(8):
+        policy.verified(short, 4, 1)
+    first, then = policy.acceptance(short)
+    assert first > 0.8 and first * then < 0.25, (first, then)
+    assert policy.plan({short: [7, 8, 9, 9]}, 16, 64) == {short: (7,)}
 
 
 def test_drafts_are_looked_up_only_where_the_plan_could_take_one():
