@@ -205,22 +205,14 @@ def _agreement(src: list[int], f: int, end: int, answer: list[int], i: int, cap:
     return n
 
 
-def _steps(runs: list[int], k: int) -> int:
-    """Decode steps of an answer whose position i would accept ``runs[i]`` drafted tokens
-    (position 0, the prefill's token, not counted), drafts of at most ``k`` tokens."""
-    i, steps = 1, 0
-    while i < len(runs):
-        i += min(runs[i], k) + 1
-        steps += 1
-    return steps
-
-
-def _starts(runs: list[int]) -> list[int]:
-    """The positions where decode steps start when each step's draft holds whole."""
+def _starts(runs: list[int], k: int) -> list[int]:
+    """The positions where an answer's decode steps start, its position i accepting
+    ``runs[i]`` drafted tokens (position 0, the prefill's token, not counted), drafts of at
+    most ``k`` tokens."""
     i, out = 1, []
     while i < len(runs):
         out.append(i)
-        i += runs[i] + 1
+        i += min(runs[i], k) + 1
     return out
 
 
@@ -278,13 +270,13 @@ def ceiling(config, reqs, groups, costs: list[dict]) -> dict:
     out = {"k": list(range(1, kmax + 1)), "engine_tokens_per_step": [], "best_tokens_per_step": []}
     for k in out["k"]:
         for name, runs in (("engine", rule_runs), ("best", best_runs)):
-            out[f"{name}_tokens_per_step"].append(tokens / sum(_steps(x, k) for x in runs))
+            out[f"{name}_tokens_per_step"].append(tokens / sum(len(_starts(x, k)) for x in runs))
     for name, runs in (("engine", rule_runs), ("best", best_runs)):
         at_k = [t / cost(k) for k, t in zip(out["k"], out[f"{name}_tokens_per_step"], strict=True)]
         top = max(range(kmax), key=at_k.__getitem__)
         out[f"{name}_speedup_at_k"], out[f"{name}_best_k"] = at_k[top], top + 1
         # every step's draft exactly as long as the run that holds: the fewest rows
-        seconds = sum(cost(x[i]) for x in runs for i in _starts(x))
+        seconds = sum(cost(x[i]) for x in runs for i in _starts(x, kmax))
         out[f"{name}_speedup_bound"] = tokens / seconds
     return out
 
@@ -422,8 +414,9 @@ def main() -> int:
         same1 = _same(alone["off"], alone["prompt-lookup"])
         s_off, s_on = _decode_stats(alone["off"]), _decode_stats(alone["prompt-lookup"])
         timed.stop()
-        bound = ceiling(policy.config, alone["off"], groups, timed.costs())
-        bound["step_costs"] = timed.costs()
+        costs = timed.costs()
+        bound = ceiling(policy.config, alone["off"], groups, costs)
+        bound["step_costs"] = costs
         # asked again: each question a second time alone, its first answer in the bank
         again = {
             mode: [_run(llm, [ids], args.max_tokens, [g], mode)[0][0]

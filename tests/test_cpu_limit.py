@@ -17,24 +17,34 @@ def _write(path: Path, text: str) -> None:
     path.write_text(text)
 
 
-def test_cgroup_v2_quota_the_tightest_of_the_path(tmp_path):
+def _cgroups(tmp_path: Path, own: str, files: dict[str, str]) -> Path:
+    """A /proc/self/cgroup of the line ``own`` at tmp_path/self, and a cgroup tree of these
+    files (path under the root -> its text); returns the tree's root."""
     root = tmp_path / "cg"
-    _write(tmp_path / "self", "0::/kubepods/pod1/ctr\n")
-    _write(root / "cpu.max", "max 100000\n")
-    _write(root / "kubepods/pod1/cpu.max", "250000 100000\n")
-    _write(root / "kubepods/pod1/ctr/cpu.max", "150000 100000\n")
+    _write(tmp_path / "self", own)
+    for path, text in files.items():
+        _write(root / path, text)
+    return root
+
+
+def test_cgroup_v2_quota_the_tightest_of_the_path(tmp_path):
+    root = _cgroups(tmp_path, "0::/kubepods/pod1/ctr\n", {
+        "cpu.max": "max 100000\n",
+        "kubepods/pod1/cpu.max": "250000 100000\n",
+        "kubepods/pod1/ctr/cpu.max": "150000 100000\n",
+    })  # fmt: skip
     assert cgroup_cpu_limit(tmp_path / "self", root) == 1.5
     _write(root / "kubepods/pod1/cpu.max", "50000 100000\n")  # the pod's limit is tighter
     assert cgroup_cpu_limit(tmp_path / "self", root) == 0.5
 
 
 def test_cgroup_v1_quota_and_none_set(tmp_path):
-    root = tmp_path / "cg"
-    _write(tmp_path / "self", "4:memory:/x\n3:cpu,cpuacct:/docker/abc\n0::/\n")
-    _write(root / "cpu,cpuacct/cpu.cfs_quota_us", "-1\n")
-    _write(root / "cpu,cpuacct/cpu.cfs_period_us", "100000\n")
-    _write(root / "cpu,cpuacct/docker/abc/cpu.cfs_quota_us", "-1\n")
-    _write(root / "cpu,cpuacct/docker/abc/cpu.cfs_period_us", "100000\n")
+    root = _cgroups(tmp_path, "4:memory:/x\n3:cpu,cpuacct:/docker/abc\n0::/\n", {
+        "cpu,cpuacct/cpu.cfs_quota_us": "-1\n",
+        "cpu,cpuacct/cpu.cfs_period_us": "100000\n",
+        "cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "-1\n",
+        "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n",
+    })  # fmt: skip
     assert cgroup_cpu_limit(tmp_path / "self", root) is None  # unlimited
     _write(root / "cpu,cpuacct/docker/abc/cpu.cfs_quota_us", "300000\n")
     assert cgroup_cpu_limit(tmp_path / "self", root) == 3.0
