@@ -1,7 +1,7 @@
 """Prompt-lookup speculation side by side with plain decoding, in one process.
 
-    .venv/bin/python bench/speculation.py [--max-tokens 128] [--dtype auto] [--repeats 2]
-        [--json bench/results/speculation-DATE.json]
+    .venv/bin/python bench/speculation.py [--model DIR|NAME] [--max-tokens 128] [--dtype auto]
+        [--repeats 2] [--steps-only] [--json bench/results/speculation-DATE.json]
 
 One engine of the default model with prompt-lookup drafts (a question's draft group is its
 manual), the bundled tarx manual and the tests' pump manual cached; plain decoding is the
@@ -33,7 +33,9 @@ message means) and answers that do not (yes/no, opinions, summaries in other wor
    output tokens/s over the batch's wall time (the run of the median ratio), and the same
    answers.
 
-Prints a table; ``--json`` writes the figures.
+Prints a table; ``--json`` writes the figures. ``--model`` runs it on another model (a
+directory, or a name ``docqa model list`` shows); ``--steps-only`` stops after the step costs
+(what a drafted row costs on that model's shape here, whatever its answers).
 """
 
 from __future__ import annotations
@@ -362,16 +364,19 @@ def step_costs(llm: LLM, sizes: list[int], extras: list[int], repeats: int) -> l
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="model directory or name (default model)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--repeats", type=int, default=1, help="batch-1 runs per question")
     ap.add_argument("--step-repeats", type=int, default=15)
     ap.add_argument("--client-repeats", type=int, default=5, help="16-client runs per set")
+    ap.add_argument("--steps-only", action="store_true", help="stop after the step costs")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     torch.set_grad_enabled(False)
-    llm = LLM(dtype=args.dtype, kv_cache_gib=0.5, speculate="prompt-lookup")
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_gib=0.5, speculate="prompt-lookup")
     out: dict = {
+        "model": llm.engine.config.model_dir.name,
         "machine": platform.processor() or platform.machine(),
         "dtype": str(llm.engine.runner.dtype),
         "threads": torch.get_num_threads(),
@@ -395,8 +400,9 @@ def main() -> int:
         )
 
     out["sets"] = {}
+    sets = () if args.steps_only else (("quoting", QUOTING), ("other", OTHER))
     policy = llm.engine.drafts
-    for name, questions in (("quoting", QUOTING), ("other", OTHER)):
+    for name, questions in sets:
         prompts, groups = _prompts(llm, questions), _groups(questions)
         # batch 1: each question alone, plain and drafting in turn, the best of the repeats;
         # each repeat drafts from the answers of the questions before it (never its own)

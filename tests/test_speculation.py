@@ -1,7 +1,10 @@
 """Prompt-lookup speculation: the n-gram index, and answers token for token (logits bit for bit)
 those of plain decoding, on the real model."""
 
+import json
 import random
+import subprocess
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -422,3 +425,20 @@ def test_no_cached_block_holds_a_rejected_drafts_kv(llms):
         assert warm.num_cached_tokens >= (len(whole) - 1) // bs * bs
         assert torch.equal(warm.logits[0], cold.logits[0])
     eng.kv_manager.check_integrity()
+
+
+def test_the_benchmark_measures_a_models_drafted_rows(tmp_path):
+    """bench/speculation.py --steps-only on a model given by name: the step cost table of 1,
+    4 and 16 requests, each plain step 1.00x, and no question sets."""
+    out = tmp_path / "steps.json"
+    bench = str(ROOT / "bench" / "speculation.py")
+    flags = ["--steps-only", "--step-repeats", "1", "--json", str(out)]
+    cmd = [sys.executable, bench, "--model", "SmolLM2-135M-Instruct", *flags]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(out.read_text())
+    assert got["model"] == "SmolLM2-135M-Instruct" and got["sets"] == {}
+    shapes = {(r["requests"], r["extra_rows"]) for r in got["step_costs"]}
+    assert shapes == {(n, e) for n in (1, 4, 16) for e in (0, 1, 3, 7, 15)}
+    assert all(r["vs_plain"] == 1.0 for r in got["step_costs"] if r["extra_rows"] == 0)
+    assert all(r["ms"] > 0 for r in got["step_costs"])
