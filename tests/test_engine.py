@@ -3,6 +3,9 @@
 import gc
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -372,6 +375,34 @@ def test_a_cpu_kv_tensor_is_zero_and_takes_memory_only_where_written():
     t[5] = 1.0
     assert _resident_bytes() - before < 2**26
     assert t[5].all() and not t[4].any() and not t[6].any()
+
+
+# a process whose pool is still being mapped when it exits: an atexit hook registered before
+# the runner's (so run after it) says whether the mapping thread was still alive then
+_EXIT_WHILE_MAPPING = """
+import atexit, threading
+atexit.register(lambda: print("alive" if any(
+    t.name == "docqa-kv-prefault" and t.is_alive() for t in threading.enumerate()) else "stopped"))
+import torch
+from inference.runner.cpu_runner import prefault_pool, zeroed_kv_tensor
+thread = prefault_pool([zeroed_kv_tensor((4 << 30,), torch.uint8)])  # 4 GiB: seconds to map
+print("mapping" if thread.is_alive() else "done")
+"""
+
+
+@linux_only
+def test_a_process_that_exits_while_its_pool_is_mapped_stops_the_mapping_first():
+    """The mapping thread is stopped and joined at exit, before the interpreter finalizes (a
+    daemon thread dropping the pool's tensors while it finalizes aborts the process)."""
+    run = subprocess.run(
+        [sys.executable, "-c", _EXIT_WHILE_MAPPING],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["mapping", "stopped"], run.stdout
 
 
 @linux_only

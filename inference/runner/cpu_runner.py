@@ -4,6 +4,7 @@ kernels (``inference/kernels/cpu``) where they build, and torch's operations whe
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import logging
@@ -61,9 +62,11 @@ def prefault_pool(tensors: list[torch.Tensor]) -> threading.Thread | None:
     ``MADV_POPULATE_WRITE`` maps a page as a write would and leaves its contents alone, so the
     engine may write blocks meanwhile; where the kernel lacks it (before Linux 5.14) pages are
     mapped at their first write. Returns the thread (it holds the tensors until it is done),
-    or None off Linux."""
+    or None off Linux. At exit a thread still mapping stops after its chunk and is joined
+    (``_stop_prefaults``)."""
     if not tensors or not sys.platform.startswith("linux"):
         return None
+    stop = threading.Event()
 
     def run() -> None:
         with contextlib.suppress(AttributeError, OSError):
@@ -74,12 +77,31 @@ def prefault_pool(tensors: list[torch.Tensor]) -> threading.Thread | None:
             addr, size = t.data_ptr(), t.nbytes
             for off in range(0, size, _PREFAULT_CHUNK):
                 n = min(_PREFAULT_CHUNK, size - off)
-                if libc.madvise(addr + off, n, _MADV_POPULATE_WRITE) != 0:
+                if stop.is_set() or libc.madvise(addr + off, n, _MADV_POPULATE_WRITE) != 0:
                     return
 
+    for done in [t for t in _prefaults if not t.is_alive()]:
+        del _prefaults[done]
     thread = threading.Thread(target=run, name="docqa-kv-prefault", daemon=True)
+    _prefaults[thread] = stop
     thread.start()
     return thread
+
+
+_prefaults: dict[threading.Thread, threading.Event] = {}  # mapping threads, and their stops
+
+
+@atexit.register
+def _stop_prefaults() -> None:
+    """Stop the mapping threads and wait until each has ended, its tensors dropped, before
+    the interpreter finalizes: a daemon thread that drops the last reference to a pool's
+    tensors while it finalizes takes the GIL inside torch's destructor, and the thread's
+    forced exit there aborts the process ("terminate called without an active exception",
+    SIGABRT; one in 30-70 runs of ``bench/speculation.py --steps-only`` on a tiny model, a
+    process of a few seconds)."""
+    for thread, stop in list(_prefaults.items()):
+        stop.set()
+        thread.join()
 
 
 def cpu_rotary_store(qkv, positions, rotary, num_heads, num_kv_heads, meta, k_cache, v_cache):
