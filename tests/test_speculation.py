@@ -427,17 +427,18 @@ def test_no_cached_block_holds_a_rejected_drafts_kv(llms):
     eng.kv_manager.check_integrity()
 
 
-def test_the_benchmark_measures_a_models_drafted_rows(tmp_path):
-    """bench/speculation.py --steps-only on a model given by name: the step cost table of 1,
-    4 and 16 requests, each plain step 1.00x, and no question sets."""
+def test_the_benchmark_measures_a_models_drafted_rows(tmp_path, tiny_model_dir):
+    """bench/speculation.py --steps-only on a model given by its directory (not the default
+    model): the step cost table of 1, 4 and 16 requests, each plain step 1.00x, and no
+    question sets."""
     out = tmp_path / "steps.json"
     bench = str(ROOT / "bench" / "speculation.py")
     flags = ["--steps-only", "--step-repeats", "1", "--json", str(out)]
-    cmd = [sys.executable, bench, "--model", "SmolLM2-135M-Instruct", *flags]
+    cmd = [sys.executable, bench, "--model", str(tiny_model_dir), *flags]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     got = json.loads(out.read_text())
-    assert got["model"] == "SmolLM2-135M-Instruct" and got["sets"] == {}
+    assert got["model"] == tiny_model_dir.name and got["sets"] == {}
     shapes = {(r["requests"], r["extra_rows"]) for r in got["step_costs"]}
     assert shapes == {(n, e) for n in (1, 4, 16) for e in (0, 1, 3, 7, 15)}
     assert all(r["vs_plain"] == 1.0 for r in got["step_costs"] if r["extra_rows"] == 0)
