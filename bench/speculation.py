@@ -232,6 +232,7 @@ def ceiling(config, reqs, groups, costs: list[dict]) -> dict:
     policy passes: each step's draft cut to exactly the run that holds, a
     step costing its 1 + run rows (a tree of drafts costs at least the rows of its longest
     path)."""
+    from inference.engine.draft_costs import StepCost
     from inference.engine.sequence import Request
     from inference.engine.speculate import DraftPolicy
 
@@ -261,13 +262,11 @@ def ceiling(config, reqs, groups, costs: list[dict]) -> dict:
         policy.bank.add(group.encode(), answer)
         bank.append(answer)
     tokens = sum(len(a) - 1 for a in rule_runs)
-    one = sorted((c["extra_rows"], c["vs_plain"]) for c in costs if c["requests"] == 1)
+    # a step of 1 + k rows over a plain one: linear between the points, the last past them
+    one = StepCost([(c["extra_rows"], c["vs_plain"]) for c in costs if c["requests"] == 1])
 
-    def cost(k: int) -> float:  # a step of 1 + k rows over a plain one, between the points
-        for (k0, c0), (k1, c1) in zip(one, one[1:], strict=False):
-            if k <= k1:
-                return c0 + (c1 - c0) * (k - k0) / (k1 - k0)
-        return one[-1][1]
+    def cost(k: int) -> float:
+        return one.interpolate(min(k, one.points[-1][0]))
 
     out = {"k": list(range(1, kmax + 1)), "engine_tokens_per_step": [], "best_tokens_per_step": []}
     for k in out["k"]:

@@ -367,4 +367,4 @@ class DraftPolicy:
         later = accepted - 1 + (accepted < drafted) if held else 0
         for rates, decay in ((st, d), (self, 0.99)):
             rates.first.add(held, 1, decay)
-            rates.then.add(max(accepted - 1, 0), later, decay)
+            rates.then.add(accepted - held, later, decay)
